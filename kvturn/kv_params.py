@@ -1,0 +1,83 @@
+"""The ``kv_transfer_params`` that travel between the gateway and the engines.
+
+Field names follow vLLM's NixlConnector (0.32/0.33). kvturn adds two keys of its own:
+
+``kvturn_prefix_digests``
+    Chained digests of the token ids that the holder decode retains, one per
+    :data:`DIGEST_CHUNK_TOKENS` tokens. Published by the decode-side connector, forwarded by the
+    gateway, checked by the prefill-side connector against the new prompt's exact ids: reuse is
+    trimmed to the common prefix, so an edited history never reuses stale KV.
+``kvturn_request_id``
+    The id under which the decode-side connector published the retained blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict
+
+#: Tokens covered by one prefix digest. Reuse is trimmed to a multiple of this.
+DIGEST_CHUNK_TOKENS: Final = 16
+PREFIX_DIGESTS_KEY: Final = "kvturn_prefix_digests"
+
+
+def prefix_digests(token_ids: Sequence[int], chunk: int = DIGEST_CHUNK_TOKENS) -> list[str]:
+    """Chained digests of every full ``chunk`` of ``token_ids``.
+
+    Digest ``i`` commits to tokens ``[0, (i + 1) * chunk)``, so two sequences share their first
+    ``k`` digests exactly when their first ``k * chunk`` tokens are equal.
+    """
+    digests: list[str] = []
+    previous = b""
+    for start in range(0, len(token_ids) - chunk + 1, chunk):
+        h = hashlib.blake2b(previous, digest_size=12)
+        h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids[start : start + chunk]))
+        previous = h.digest()
+        digests.append(previous.hex())
+    return digests
+
+
+def common_prefix_tokens(
+    expected: Sequence[str], token_ids: Sequence[int], chunk: int = DIGEST_CHUNK_TOKENS
+) -> int:
+    """How many leading ``token_ids`` match the sequence that ``expected`` digests describe."""
+    ours = prefix_digests(token_ids[: len(expected) * chunk], chunk)
+    matched = 0
+    for a, b in zip(expected, ours, strict=False):
+        if a != b:
+            break
+        matched += 1
+    return matched * chunk
+
+
+class RetainedKV(BaseModel):
+    """What a decode instance retained after a turn: where the KV is and what it holds.
+
+    Metadata only. ``remote_blocks_expiry_time`` is on the decode process's ``perf_counter``
+    clock; ``expires_in_s`` is the same deadline relative to when it was published.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    do_remote_decode: bool = True
+    do_remote_prefill: bool = False
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: list[list[int]]
+    remote_host: str
+    remote_port: int
+    remote_num_tokens: int
+    tp_size: int = 1
+    remote_blocks_expiry_time: float | None = None
+    expires_in_s: float | None = None
+    kvturn_prefix_digests: list[str] = []
+
+    def as_prefill_params(self, host: str | None = None) -> dict[str, Any]:
+        """The params to send to a prefill engine that should pull this KV."""
+        params = self.model_dump(exclude={"expires_in_s"})
+        if host is not None:
+            params["remote_host"] = host
+        return params
