@@ -1,0 +1,304 @@
+"""Everything the sync and async kvturn clients share that does no I/O.
+
+:class:`KvturnCore` is the state a client and its ``copy()``/``with_options()`` copies share:
+settings, clock, open conversations, the heartbeat schedule and its worker.
+:class:`BaseKvturnClient` turns requests into turns (headers, pause clock, stream swap) and
+interprets control-API answers; ``OpenAI``/``AsyncOpenAI`` add only the sending.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from openai import APIResponse, AsyncAPIResponse
+from openai._legacy_response import LegacyAPIResponse
+from openai._models import FinalRequestOptions
+from openai._utils import is_given
+from pydantic import ValidationError
+
+from kvturn.control import CONVERSATIONS_PATH, HeartbeatRequest, HeartbeatResponse
+from kvturn.headers import (
+    CONVERSATION_ID,
+    LEASE_SECONDS,
+    PAUSE_KIND,
+    PAUSE_MS,
+    PLAN,
+    REUSED_TOKENS,
+    TURN_ID,
+    is_valid_conversation_id,
+)
+
+from ._clock import Clock
+from ._conversation import Conversation, Turn, _current
+from ._headers import new_conversation_id, new_turn_id, turn_headers
+from ._heartbeats import HeartbeatSchedule, ScheduledBeat
+from ._replies import asks_for_tools
+from ._settings import KvturnSettings
+
+__all__ = ["REFUSAL_STATUSES", "BaseKvturnClient", "KvturnCore"]
+
+log = logging.getLogger("kvturn.client")
+
+#: Answers meaning "this server has no kvturn control API" (a plain OpenAI-compatible server):
+#: after the first one the client stops sending heartbeats and releases altogether.
+REFUSAL_STATUSES = frozenset({404, 405, 410, 501})
+
+#: Conversations left without release are kept (their pause clock runs on for the next scope)
+#: up to this many; the oldest idle ones are forgotten beyond it.
+MAX_IDLE_CONVERSATIONS = 10_000
+
+_KVTURN_HEADERS_LOWER = frozenset(h.lower() for h in (CONVERSATION_ID, TURN_ID, PAUSE_MS, PAUSE_KIND))
+
+
+class Worker(Protocol):
+    """The heartbeat worker: a thread (sync) or a task (async)."""
+
+    def wake(self) -> None: ...
+
+
+class KvturnCore:
+    """State shared by a kvturn client and its copies."""
+
+    def __init__(self, settings: KvturnSettings, clock: Clock) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.schedule = HeartbeatSchedule(settings)
+        self.worker: Worker | None = None
+        self.conversations: dict[str, Conversation] = {}
+        #: Turns whose reply has not ended, by turn id: streams find theirs here.
+        self.open_turns: dict[str, Turn] = {}
+        #: False once the server refused a control call: it is not a kvturn gateway.
+        self.control_available = True
+        self.closed = False
+        self._lock = threading.Lock()
+
+    # -- conversation scopes ------------------------------------------------------------
+
+    def enter(self, conversation_id: str | None, owner: object) -> Conversation:
+        """Open (or re-open) a conversation scope."""
+        if conversation_id is None:
+            conversation_id = new_conversation_id()
+        elif not is_valid_conversation_id(conversation_id):
+            raise ValueError(
+                f"invalid conversation id {conversation_id!r}: use 1-128 characters of "
+                "A-Z a-z 0-9 . _ : - (kvturn.client.conversation_id_from() maps any string)"
+            )
+        with self._lock:
+            conversation = self.conversations.get(conversation_id)
+            if conversation is None:
+                conversation = Conversation(
+                    conversation_id,
+                    core=self,
+                    clock=self.clock,
+                    lease_seconds=self.settings.default_lease_seconds,
+                )
+                self.conversations[conversation_id] = conversation
+            conversation._scopes += 1
+            conversation._owner = weakref.ref(owner)
+            conversation.released = False
+        return conversation
+
+    def leave(self, conversation: Conversation, *, release: bool) -> bool:
+        """Close a scope; True when the caller should now tell the gateway to release."""
+        with self._lock:
+            conversation._scopes = max(0, conversation._scopes - 1)
+            if conversation._scopes:
+                return False
+            self.schedule.stop(conversation.id)
+            if not release:
+                # Keep its pause clock for the next scope of the same id; move it to the end
+                # so eviction takes the longest-idle first.
+                self.conversations.pop(conversation.id, None)
+                self.conversations[conversation.id] = conversation
+                self._evict_idle()
+                return False
+            self.conversations.pop(conversation.id, None)
+            conversation.released = True
+            return conversation.turn_count > 0 and self.control_available
+
+    def _evict_idle(self) -> None:
+        excess = len(self.conversations) - MAX_IDLE_CONVERSATIONS
+        if excess <= 0:
+            return
+        for key in [k for k, c in self.conversations.items() if not c._scopes][:excess]:
+            del self.conversations[key]
+
+    # -- pauses and heartbeats ------------------------------------------------------------
+
+    def pause_started(self, conversation: Conversation, paused_at: float) -> None:
+        """Nothing of ``conversation`` is in flight any more: plan its beats."""
+        if not (self.settings.heartbeats and self.control_available) or self.closed:
+            return
+        if not conversation._scopes or conversation.released:
+            return
+        started = self.schedule.start(
+            conversation.id, paused_at=paused_at, lease_seconds=conversation.lease_seconds
+        )
+        if started and self.worker is not None:
+            self.worker.wake()
+
+    def heartbeat_body(self, entry: ScheduledBeat) -> tuple[Conversation, HeartbeatRequest] | None:
+        """What to send for a due beat, or ``None`` if the pause is over or beats are off."""
+        conversation = self.conversations.get(entry.conversation_id)
+        if conversation is None or not self.control_available or not conversation._scopes:
+            return None
+        pause = conversation.current_pause()
+        if pause is None:
+            return None
+        return conversation, HeartbeatRequest(pause_kind=pause.kind, paused_ms=pause.ms)
+
+    def heartbeat_answered(self, entry: ScheduledBeat, body: bytes) -> float | None:
+        """Interpret a 2xx heartbeat answer; returns the next interval or ``None`` to stop."""
+        try:
+            answer = HeartbeatResponse.model_validate_json(body)
+        except ValidationError:
+            log.warning("kvturn: unreadable heartbeat answer for %s", entry.conversation_id)
+            return entry.interval
+        if not answer.known:
+            # The gateway holds nothing for it (expired, or never served): nothing to renew.
+            log.debug("kvturn: gateway does not know %s; beats stop", entry.conversation_id)
+            return None
+        if answer.next_heartbeat_s is not None and answer.next_heartbeat_s > 0:
+            return answer.next_heartbeat_s
+        if answer.lease_remaining_s > 0:
+            return answer.lease_remaining_s / 2
+        return entry.interval
+
+    def control_failed(self, what: str, conversation_id: str, status: int | None) -> bool:
+        """Log a failed control call; True when it was a refusal (control API absent)."""
+        if status in REFUSAL_STATUSES:
+            if self.control_available:
+                log.info(
+                    "kvturn: server answered %s to a %s: no kvturn control API there; "
+                    "heartbeats and releases are off for this client",
+                    status,
+                    what,
+                )
+            self.control_available = False
+            self.schedule.clear()
+            return True
+        log.warning(
+            "kvturn: %s for conversation %s failed (%s)",
+            what,
+            conversation_id,
+            status if status is not None else "no answer",
+        )
+        return False
+
+    def close(self) -> None:
+        """Stop planning beats; the owning client stops the worker."""
+        self.closed = True
+        self.schedule.clear()
+
+
+class BaseKvturnClient:
+    """Turn bookkeeping shared by ``OpenAI`` and ``AsyncOpenAI`` (mixed in before them)."""
+
+    _kvturn: KvturnCore
+
+    @property
+    def kvturn_settings(self) -> KvturnSettings:
+        """The kvturn options this client (and its copies) run with."""
+        return self._kvturn.settings
+
+    @property
+    def conversations(self) -> Mapping[str, Conversation]:
+        """Conversations open or kept (left without release), by id. Read-only view."""
+        return self._kvturn.conversations
+
+    def _kvturn_conversation_for(self, options: FinalRequestOptions) -> Conversation | None:
+        if options.url.startswith(CONVERSATIONS_PATH):
+            return None  # control calls are not turns
+        conversation = _current.get()
+        if conversation is not None:
+            return conversation
+        # Code that cannot carry a context (a thread pool without copy_context) can still name
+        # an open conversation with the header itself.
+        if is_given(options.headers):
+            for key, value in options.headers.items():
+                if key.lower() == "x-conversation-id" and isinstance(value, str):
+                    return self._kvturn.conversations.get(value)
+        return None
+
+    def _kvturn_begin(
+        self, options: FinalRequestOptions
+    ) -> tuple[FinalRequestOptions, Turn | None]:
+        """Start a turn for a request made inside a conversation; its options get the headers.
+
+        Called once per logical request, before the SDK's retry loop: every attempt reuses the
+        same options and so the same turn id.
+        """
+        conversation = self._kvturn_conversation_for(options)
+        if conversation is None:
+            return options, None
+        pause = conversation._pauses.begin_request()
+        conversation._core.schedule.stop(conversation.id)
+        turn = Turn(conversation.id, new_turn_id(), pause, conversation)
+        conversation._record(turn)
+        self._kvturn.open_turns[turn.turn_id] = turn
+
+        headers: dict[str, Any] = {}
+        if is_given(options.headers):
+            headers = {
+                k: v for k, v in options.headers.items() if k.lower() not in _KVTURN_HEADERS_LOWER
+            }
+        headers.update(turn_headers(conversation.id, turn.turn_id, pause))
+        # A copy: the caller's options object must not keep this turn's headers.
+        turn_options = options.model_copy()
+        turn_options.headers = headers
+        return turn_options, turn
+
+    def _kvturn_open_turn(self, turn_id: str | None) -> Turn | None:
+        return None if turn_id is None else self._kvturn.open_turns.get(turn_id)
+
+    def _kvturn_finish(self, turn: Turn, *, tool_calls: bool) -> None:
+        """The reply of ``turn`` ended (returned, stream exhausted or closed, or failed)."""
+        if turn.finished:
+            return
+        turn.finished = True
+        turn.tool_calls = tool_calls
+        self._kvturn.open_turns.pop(turn.turn_id, None)
+        conversation = turn.conversation
+        paused_at = conversation._pauses.end_reply(tool_calls=tool_calls)
+        if paused_at is not None:
+            conversation._core.pause_started(conversation, paused_at)
+
+    def _kvturn_observe(self, request_headers: Mapping[str, str], headers: Mapping[str, str]) -> None:
+        """Read what the gateway says about a turn from an attempt's response headers."""
+        turn_id = request_headers.get(TURN_ID)
+        if turn_id is None:
+            return
+        turn = self._kvturn.open_turns.get(turn_id)
+        if turn is None:
+            return
+        lease = headers.get(LEASE_SECONDS)
+        if lease is not None:
+            try:
+                seconds = float(lease)
+            except ValueError:
+                seconds = 0.0
+            if seconds > 0:
+                turn.conversation.lease_seconds = seconds
+        plan = headers.get(PLAN)
+        if plan is not None:
+            turn.plan = plan
+        reused = headers.get(REUSED_TOKENS)
+        if reused is not None and reused.isdigit():
+            turn.reused_tokens = int(reused)
+
+    @staticmethod
+    def _kvturn_result_asks_for_tools(result: object) -> bool:
+        if isinstance(result, LegacyAPIResponse):
+            # with_raw_response (LangChain's path): the body is already read and parse() caches,
+            # so the caller's own parse() costs nothing extra.
+            try:
+                return asks_for_tools(result.parse())
+            except Exception:
+                return False
+        if isinstance(result, (APIResponse, AsyncAPIResponse)):
+            return False  # with_streaming_response: the body is not read yet
+        return asks_for_tools(result)

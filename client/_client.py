@@ -1,0 +1,434 @@
+"""``OpenAI`` and ``AsyncOpenAI``: the official clients plus kvturn conversations.
+
+They hook the SDK at two points. ``request()`` wraps one logical request, retries included:
+it starts the turn (headers with a turn id every retry reuses, the pause before it) and ends
+it when the reply ends, swapping in stream classes that notice exhaustion or closing.
+``_send_request()`` sees each attempt's response headers (lease length, plan, reused tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import Token
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx2
+import openai
+from openai._models import FinalRequestOptions
+from openai._types import RequestOptions
+from typing_extensions import Self
+
+from kvturn.control import HeartbeatRequest, heartbeat_path, release_path
+
+from ._base import BaseKvturnClient, KvturnCore
+from ._clock import Clock, monotonic_clock
+from ._conversation import Conversation, _current
+from ._headers import new_conversation_id
+from ._heartbeats import HeartbeatTask, HeartbeatThread, ScheduledBeat
+from ._settings import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAUSE_SECONDS, KvturnSettings
+from ._streams import tracked_stream_cls
+
+__all__ = ["AsyncConversationScope", "AsyncOpenAI", "ConversationScope", "OpenAI"]
+
+log = logging.getLogger("kvturn.client")
+
+_R = TypeVar("_R")
+
+
+def _settings_from(
+    settings: KvturnSettings | None,
+    default_lease_seconds: float,
+    max_pause_seconds: float,
+    heartbeats: bool,
+    release_on_exit: bool,
+    control_timeout_seconds: float,
+) -> KvturnSettings:
+    if settings is not None:
+        return settings
+    return KvturnSettings(
+        default_lease_seconds=default_lease_seconds,
+        max_pause_seconds=max_pause_seconds,
+        heartbeats=heartbeats,
+        release_on_exit=release_on_exit,
+        control_timeout_seconds=control_timeout_seconds,
+    )
+
+
+def _control_options(core: KvturnCore) -> RequestOptions:
+    # Control calls are best effort and must never hold the agent up: no SDK retries (the next
+    # beat is the retry), a short timeout.
+    return {"max_retries": 0, "timeout": core.settings.control_timeout_seconds}
+
+
+def _owner_of(conversation: Conversation) -> Any:
+    return conversation._owner() if conversation._owner is not None else None
+
+
+class OpenAI(BaseKvturnClient, openai.OpenAI):
+    """``openai.OpenAI`` that tags requests made inside ``conversation()`` scopes for kvturn.
+
+    Takes every argument ``openai.OpenAI`` takes, plus the kvturn options below (or a whole
+    :class:`KvturnSettings` as ``kvturn_settings``). ``copy()``/``with_options()`` share them,
+    and share the conversations and the heartbeat thread.
+
+    Args:
+        default_lease_seconds: lease assumed until the gateway sends ``X-Kvturn-Lease-Seconds``.
+        max_pause_seconds: stop heartbeats once a pause has lasted this long.
+        heartbeats: renew leases during pauses.
+        release_on_exit: release conversations when their scope exits (per-scope override).
+        control_timeout_seconds: timeout of a heartbeat or release call.
+        clock: monotonic seconds; injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        default_lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        max_pause_seconds: float = DEFAULT_MAX_PAUSE_SECONDS,
+        heartbeats: bool = True,
+        release_on_exit: bool = True,
+        control_timeout_seconds: float = 5.0,
+        kvturn_settings: KvturnSettings | None = None,
+        clock: Clock | None = None,
+        _kvturn_core: KvturnCore | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if _kvturn_core is None:
+            settings = _settings_from(
+                kvturn_settings,
+                default_lease_seconds,
+                max_pause_seconds,
+                heartbeats,
+                release_on_exit,
+                control_timeout_seconds,
+            )
+            _kvturn_core = KvturnCore(settings, clock or monotonic_clock)
+            _kvturn_core.worker = HeartbeatThread(
+                _kvturn_core.schedule, _sync_beat(_kvturn_core), _kvturn_core.clock
+            )
+        self._kvturn = _kvturn_core
+
+    def conversation(
+        self, id: str | None = None, *, release: bool | None = None
+    ) -> ConversationScope:
+        """A scope whose requests belong to conversation ``id`` (a new uuid4 when ``None``).
+
+        Use as ``with client.conversation() as conversation: ...``. Leaving the scope stops its
+        heartbeats and, when ``release`` (default: the client's ``release_on_exit``), tells the
+        gateway to drop the conversation's KV. Re-entering an id left without release resumes
+        its pause clock, so the next request reports the whole user pause.
+        """
+        return ConversationScope(self, id, release)
+
+    def copy(self, **kwargs: Any) -> Self:
+        """``openai.OpenAI.copy`` that keeps the kvturn options, conversations and worker."""
+        extra = {**kwargs.pop("_extra_kwargs", {}), "_kvturn_core": self._kvturn}
+        return super().copy(**kwargs, _extra_kwargs=extra)
+
+    with_options = copy
+
+    def close(self) -> None:
+        """Close the HTTP client and stop the heartbeat thread."""
+        try:
+            super().close()
+        finally:
+            core = getattr(self, "_kvturn", None)
+            if core is not None:
+                core.close()
+                if isinstance(core.worker, HeartbeatThread):
+                    core.worker.close()
+
+    def request(  # type: ignore[override]
+        self,
+        cast_to: type[_R],
+        options: FinalRequestOptions,
+        *,
+        stream: bool = False,
+        stream_cls: Any = None,
+    ) -> Any:
+        turn_options, turn = self._kvturn_begin(options)
+        if turn is None:
+            return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
+        tracked = tracked_stream_cls(stream_cls, asynchronous=False) if stream else None
+        try:
+            result = super().request(
+                cast_to, turn_options, stream=stream, stream_cls=tracked or stream_cls
+            )
+        except BaseException:
+            self._kvturn_finish(turn, tool_calls=False)
+            raise
+        if tracked is None:
+            self._kvturn_finish(turn, tool_calls=self._kvturn_result_asks_for_tools(result))
+        return result
+
+    def _send_request(
+        self, request: httpx2.Request, *, stream: bool, **kwargs: Any
+    ) -> httpx2.Response:
+        response = super()._send_request(request, stream=stream, **kwargs)
+        self._kvturn_observe(request.headers, response.headers)
+        return response
+
+    # -- control API --------------------------------------------------------------------------
+
+    def _kvturn_send_heartbeat(
+        self, entry: ScheduledBeat, conversation: Conversation, body: HeartbeatRequest
+    ) -> float | None:
+        core = self._kvturn
+        try:
+            response = self.post(
+                heartbeat_path(conversation.id),
+                cast_to=httpx2.Response,
+                body=body.model_dump(),
+                options=_control_options(core),
+            )
+        except openai.APIStatusError as exc:
+            refused = core.control_failed("heartbeat", conversation.id, exc.status_code)
+            return None if refused else entry.interval
+        except Exception as exc:
+            log.debug("kvturn: heartbeat error: %r", exc)
+            core.control_failed("heartbeat", conversation.id, None)
+            return entry.interval
+        return core.heartbeat_answered(entry, response.content)
+
+    def _kvturn_release(self, conversation: Conversation) -> None:
+        core = self._kvturn
+        try:
+            self.delete(
+                release_path(conversation.id),
+                cast_to=httpx2.Response,
+                options=_control_options(core),
+            )
+        except openai.APIStatusError as exc:
+            core.control_failed("release", conversation.id, exc.status_code)
+        except Exception as exc:
+            log.debug("kvturn: release error: %r", exc)
+            core.control_failed("release", conversation.id, None)
+
+
+def _sync_beat(core: KvturnCore) -> Any:
+    # Closes over the core only: the worker thread must not keep a client alive.
+    def beat(entry: ScheduledBeat) -> float | None:
+        plan = core.heartbeat_body(entry)
+        if plan is None:
+            return None
+        conversation, body = plan
+        owner = _owner_of(conversation)
+        if not isinstance(owner, OpenAI):
+            return None
+        return owner._kvturn_send_heartbeat(entry, conversation, body)
+
+    return beat
+
+
+def _async_beat(core: KvturnCore) -> Any:
+    async def beat(entry: ScheduledBeat) -> float | None:
+        plan = core.heartbeat_body(entry)
+        if plan is None:
+            return None
+        conversation, body = plan
+        owner = _owner_of(conversation)
+        if not isinstance(owner, AsyncOpenAI):
+            return None
+        return await owner._kvturn_send_heartbeat(entry, conversation, body)
+
+    return beat
+
+
+class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
+    """``openai.AsyncOpenAI`` that tags requests made inside ``conversation()`` scopes.
+
+    Same options as :class:`OpenAI`; heartbeats run in one task on the loop the client is used
+    from.
+    """
+
+    def __init__(
+        self,
+        *,
+        default_lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        max_pause_seconds: float = DEFAULT_MAX_PAUSE_SECONDS,
+        heartbeats: bool = True,
+        release_on_exit: bool = True,
+        control_timeout_seconds: float = 5.0,
+        kvturn_settings: KvturnSettings | None = None,
+        clock: Clock | None = None,
+        _kvturn_core: KvturnCore | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if _kvturn_core is None:
+            settings = _settings_from(
+                kvturn_settings,
+                default_lease_seconds,
+                max_pause_seconds,
+                heartbeats,
+                release_on_exit,
+                control_timeout_seconds,
+            )
+            _kvturn_core = KvturnCore(settings, clock or monotonic_clock)
+            _kvturn_core.worker = HeartbeatTask(
+                _kvturn_core.schedule, _async_beat(_kvturn_core), _kvturn_core.clock
+            )
+        self._kvturn = _kvturn_core
+
+    def conversation(
+        self, id: str | None = None, *, release: bool | None = None
+    ) -> AsyncConversationScope:
+        """A scope whose requests belong to conversation ``id``; ``async with`` it.
+
+        Same semantics as :meth:`OpenAI.conversation`; the release is awaited on exit.
+        """
+        return AsyncConversationScope(self, id, release)
+
+    def copy(self, **kwargs: Any) -> Self:
+        """``openai.AsyncOpenAI.copy`` that keeps the kvturn options, conversations and worker."""
+        extra = {**kwargs.pop("_extra_kwargs", {}), "_kvturn_core": self._kvturn}
+        return super().copy(**kwargs, _extra_kwargs=extra)
+
+    with_options = copy
+
+    async def close(self) -> None:
+        """Close the HTTP client and stop the heartbeat task."""
+        try:
+            await super().close()
+        finally:
+            core = getattr(self, "_kvturn", None)
+            if core is not None:
+                core.close()
+                if isinstance(core.worker, HeartbeatTask):
+                    await core.worker.aclose()
+
+    async def request(  # type: ignore[override]
+        self,
+        cast_to: type[_R],
+        options: FinalRequestOptions,
+        *,
+        stream: bool = False,
+        stream_cls: Any = None,
+    ) -> Any:
+        turn_options, turn = self._kvturn_begin(options)
+        if turn is None:
+            return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
+        tracked = tracked_stream_cls(stream_cls, asynchronous=True) if stream else None
+        try:
+            result = await super().request(
+                cast_to, turn_options, stream=stream, stream_cls=tracked or stream_cls
+            )
+        except BaseException:
+            self._kvturn_finish(turn, tool_calls=False)
+            raise
+        if tracked is None:
+            self._kvturn_finish(turn, tool_calls=self._kvturn_result_asks_for_tools(result))
+        return result
+
+    async def _send_request(
+        self, request: httpx2.Request, *, stream: bool, **kwargs: Any
+    ) -> httpx2.Response:
+        response = await super()._send_request(request, stream=stream, **kwargs)
+        self._kvturn_observe(request.headers, response.headers)
+        return response
+
+    # -- control API --------------------------------------------------------------------------
+
+    async def _kvturn_send_heartbeat(
+        self, entry: ScheduledBeat, conversation: Conversation, body: HeartbeatRequest
+    ) -> float | None:
+        core = self._kvturn
+        try:
+            response = await self.post(
+                heartbeat_path(conversation.id),
+                cast_to=httpx2.Response,
+                body=body.model_dump(),
+                options=_control_options(core),
+            )
+        except openai.APIStatusError as exc:
+            refused = core.control_failed("heartbeat", conversation.id, exc.status_code)
+            return None if refused else entry.interval
+        except Exception as exc:
+            log.debug("kvturn: heartbeat error: %r", exc)
+            core.control_failed("heartbeat", conversation.id, None)
+            return entry.interval
+        return core.heartbeat_answered(entry, response.content)
+
+    async def _kvturn_release(self, conversation: Conversation) -> None:
+        core = self._kvturn
+        try:
+            await self.delete(
+                release_path(conversation.id),
+                cast_to=httpx2.Response,
+                options=_control_options(core),
+            )
+        except openai.APIStatusError as exc:
+            core.control_failed("release", conversation.id, exc.status_code)
+        except Exception as exc:
+            log.debug("kvturn: release error: %r", exc)
+            core.control_failed("release", conversation.id, None)
+
+
+class ConversationScope:
+    """``with client.conversation(...) as conversation:`` for :class:`OpenAI`."""
+
+    def __init__(self, client: OpenAI, conversation_id: str | None, release: bool | None) -> None:
+        self._client = client
+        #: The conversation id (known before entering, so it can be logged or stored).
+        self.id = conversation_id if conversation_id is not None else new_conversation_id()
+        self._release = client.kvturn_settings.release_on_exit if release is None else release
+        self._conversation: Conversation | None = None
+        self._token: Token[Conversation | None] | None = None
+
+    def __enter__(self) -> Conversation:
+        conversation = self._client._kvturn.enter(self.id, self._client)
+        self._conversation = conversation
+        self._token = _current.set(conversation)
+        return conversation
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        conversation, token = self._conversation, self._token
+        if conversation is None or token is None:
+            return
+        self._conversation = self._token = None
+        _current.reset(token)
+        if self._client._kvturn.leave(conversation, release=self._release):
+            self._client._kvturn_release(conversation)
+
+
+class AsyncConversationScope:
+    """``async with client.conversation(...) as conversation:`` for :class:`AsyncOpenAI`."""
+
+    def __init__(
+        self, client: AsyncOpenAI, conversation_id: str | None, release: bool | None
+    ) -> None:
+        self._client = client
+        #: The conversation id (known before entering, so it can be logged or stored).
+        self.id = conversation_id if conversation_id is not None else new_conversation_id()
+        self._release = client.kvturn_settings.release_on_exit if release is None else release
+        self._conversation: Conversation | None = None
+        self._token: Token[Conversation | None] | None = None
+
+    async def __aenter__(self) -> Conversation:
+        conversation = self._client._kvturn.enter(self.id, self._client)
+        self._conversation = conversation
+        self._token = _current.set(conversation)
+        return conversation
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        conversation, token = self._conversation, self._token
+        if conversation is None or token is None:
+            return
+        self._conversation = self._token = None
+        _current.reset(token)
+        if self._client._kvturn.leave(conversation, release=self._release):
+            await self._client._kvturn_release(conversation)
+
+

@@ -1,0 +1,48 @@
+"""The request headers that tell the gateway which conversation and turn a request is."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+from kvturn.headers import (
+    CONVERSATION_ID,
+    PAUSE_KIND,
+    PAUSE_MS,
+    TURN_ID,
+    is_valid_conversation_id,
+)
+
+from ._pauses import Pause
+
+__all__ = ["conversation_id_from", "new_conversation_id", "new_turn_id", "turn_headers"]
+
+
+def new_conversation_id() -> str:
+    """A fresh random conversation id."""
+    return str(uuid.uuid4())
+
+
+def new_turn_id() -> str:
+    """A fresh turn id; 32 hex digits are plenty and cheaper to make than a formatted UUID."""
+    return uuid.uuid4().hex
+
+
+def conversation_id_from(value: str) -> str:
+    """``value`` if it is a valid conversation id, else a stable digest of it.
+
+    Framework ids (session ids, thread ids) can hold characters a header or metrics label must
+    not; the digest keeps the same framework id mapping to the same conversation.
+    """
+    if is_valid_conversation_id(value):
+        return value
+    return "h-" + hashlib.sha256(value.encode()).hexdigest()[:40]
+
+
+def turn_headers(conversation_id: str, turn_id: str, pause: Pause | None) -> dict[str, str]:
+    """Headers of one turn; the pause ones only when a pause preceded it."""
+    headers = {CONVERSATION_ID: conversation_id, TURN_ID: turn_id}
+    if pause is not None:
+        headers[PAUSE_MS] = str(pause.ms)
+        headers[PAUSE_KIND] = pause.kind
+    return headers

@@ -1,0 +1,60 @@
+"""Fixtures for kvturn.client tests: a stand-in gateway, and one base URL fixture for tests
+that can run against the real gateway (set ``KVTURN_TEST_BASE_URL`` to its ``.../v1``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from kvturn_stub_gateway import MODEL, ServerThread, StubGateway
+
+
+def _serve(stub: StubGateway) -> Iterator[StubGateway]:
+    with ServerThread(stub.app()) as server:
+        stub.url = f"http://127.0.0.1:{server.port}/v1"
+        yield stub
+
+
+@pytest.fixture(scope="session")
+def _stub_session() -> Iterator[StubGateway]:
+    yield from _serve(StubGateway(control_api=True))
+
+
+@pytest.fixture(scope="session")
+def _plain_session() -> Iterator[StubGateway]:
+    yield from _serve(StubGateway(control_api=False))
+
+
+@pytest.fixture
+def stub(_stub_session: StubGateway) -> StubGateway:
+    """The stand-in gateway, its records cleared; tests may read and set its state."""
+    _stub_session.reset()
+    return _stub_session
+
+
+@pytest.fixture
+def plain_server(_plain_session: StubGateway) -> StubGateway:
+    """A plain OpenAI-compatible server: no kvturn control API."""
+    _plain_session.reset()
+    return _plain_session
+
+
+@pytest.fixture
+def base_url(request: pytest.FixtureRequest) -> str:
+    """Where adapter tests send traffic: the real gateway if configured, else the stand-in."""
+    configured = os.environ.get("KVTURN_TEST_BASE_URL")
+    if configured:
+        return configured.rstrip("/")
+    stub: StubGateway = request.getfixturevalue("stub")
+    return stub.url
+
+
+@pytest.fixture
+def model_name(base_url: str) -> str:
+    """The first model the server at ``base_url`` lists."""
+    if not os.environ.get("KVTURN_TEST_BASE_URL"):
+        return MODEL
+    answer = httpx.get(f"{base_url}/models", timeout=10).json()
+    return str(answer["data"][0]["id"])
