@@ -15,18 +15,24 @@ It overrides only what kvturn needs, on the scheduler side:
   digests with the new prompt's exact token ids and trim the pull to the common prefix, or drop
   it. vLLM itself does not check that the pulled KV belongs to this prompt.
 
-Importing the module also raises NIXL's progress-thread delay (see :mod:`.nixl_progress`).
+It also fixes two CPU-only problems of running P and D on one small machine: NIXL's
+progress thread spinning a core (:mod:`.nixl_progress`), and the worker re-pinning the model's
+main thread; and it paces the idle engine loop that polls retained blocks
+(:mod:`.engine_pacing`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
 
 from kvturn.connector.control_server import ControlServer
+from kvturn.connector.engine_pacing import cap_worker_spin_window
 from kvturn.connector.nixl_progress import DEFAULT_PROGRESS_DELAY_US, raise_progress_thread_delay
 from kvturn.connector.retained_store import RetainedStore
 from kvturn.kv_params import (
@@ -37,11 +43,14 @@ from kvturn.kv_params import (
 )
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvturn.connector")
+# Under "vllm." so that the engine's own log configuration shows these lines.
+logger = logging.getLogger("vllm.kvturn.connector")
 
 _CHECKED_KEY = "_kvturn_prefix_checked"
 
@@ -58,7 +67,16 @@ class KvturnConnector(NixlConnector):
         raise_progress_thread_delay(
             int(extra.get("kvturn_nixl_progress_delay_us", DEFAULT_PROGRESS_DELAY_US))
         )
+        # On CPU, NixlConnector's worker pins the *calling* thread, the model's main thread, to
+        # the last core of each NUMA node "for KV transfer". Two engines on one machine then
+        # share one core for all their compute. Keep the affinity the engine was started with.
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         super().__init__(vllm_config, role, kv_cache_config)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+        self._idle_step_sleep_s = float(extra.get("kvturn_idle_step_sleep_ms", 10)) / 1000
+        if role == KVConnectorRole.WORKER:
+            cap_worker_spin_window(float(extra.get("kvturn_worker_spin_ms", 2)) / 1000)
         self._block_size = vllm_config.cache_config.block_size
         self._retained = RetainedStore()
         self._control: ControlServer | None = None
@@ -110,6 +128,17 @@ class KvturnConnector(NixlConnector):
             verified,
             usable,
         )
+
+    # ---- scheduler side: both ---------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        # While finished requests' blocks wait to be read (or to expire), the engine core steps
+        # in a busy loop to poll the connector, burning a core on an otherwise idle engine.
+        # An empty step means nothing is running: pace those steps instead.
+        if scheduler_output.total_num_scheduled_tokens == 0 and self._idle_step_sleep_s > 0:
+            time.sleep(self._idle_step_sleep_s)
+        return meta
 
     # ---- scheduler side: decode ------------------------------------------------------------
 

@@ -318,9 +318,16 @@ def plan_specs(
     base_port: int = 8100,
     kv: KVSettings | None = None,
     served_model_name: str | None = None,
+    prefill_prefix_caching: bool = False,
     **spec_kwargs: object,
 ) -> list[EngineSpec]:
-    """Engine specs for a pool: ports counted up from ``base_port``, cores round-robin."""
+    """Engine specs for a pool: ports counted up from ``base_port``, cores round-robin.
+
+    Prefill engines run without a prefix cache by default: a prefill pool that serves many
+    conversations rarely still holds this one's prefix, so that is the case kvturn is measured
+    on (as in AWS's bidirectional benchmark). Decode engines keep theirs: it is what lets a
+    conversation continue on its holder decode.
+    """
     kv = kv or KVSettings()
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     specs = []
@@ -336,6 +343,7 @@ def plan_specs(
                 cpu=cpus[i % len(cpus)],
                 kv=kv,
                 served_model_name=served_model_name,
+                prefix_caching=prefill_prefix_caching if role == "prefill" else True,
                 **spec_kwargs,  # type: ignore[arg-type]
             )
         )

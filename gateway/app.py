@@ -1,0 +1,250 @@
+"""The gateway's ASGI app: OpenAI-compatible endpoints in front of prefill and decode pools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvturn import control
+from kvturn import headers as h
+from kvturn.gateway.config import GatewayConfig
+from kvturn.gateway.conversations import ConversationStore
+from kvturn.gateway.errors import (
+    BodyTooLarge,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoHealthyEngine,
+)
+from kvturn.gateway.metrics import GatewayMetrics
+from kvturn.gateway.pools import Pool, check_health_forever
+from kvturn.gateway.turns import Turn, TurnRunner
+from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
+
+logger = logging.getLogger("kvturn.gateway")
+
+
+class Gateway:
+    """Everything one gateway instance owns: pools, table, metrics, upstream client."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.prefill = Pool("prefill", config.prefill)
+        self.decode = Pool("decode", config.decode)
+        self.upstream = Upstream(config.connect_timeout_s, config.request_timeout_s)
+        self.store = ConversationStore(config.max_conversations)
+        self.metrics = GatewayMetrics()
+        self.runner = TurnRunner(
+            config, self.prefill, self.decode, self.upstream, self.store, self.metrics
+        )
+        self.models: list[dict[str, Any]] = []
+
+    async def refresh_models(self) -> None:
+        for instance in self.prefill.healthy():
+            try:
+                response = await self.upstream.get(f"{instance.url}/v1/models", timeout_s=5)
+            except UpstreamUnavailable:
+                continue
+            if response.status == 200:
+                self.models = list(response.json().get("data") or [])
+                return
+
+    def model_names(self) -> set[str]:
+        return {str(m.get("id")) for m in self.models}
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gateway = Gateway(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.upstream.start()
+        await gateway.refresh_models()
+        health = asyncio.create_task(
+            check_health_forever(
+                [gateway.prefill, gateway.decode], gateway.upstream, config.health_interval_s
+            )
+        )
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await gateway.runner.close()
+            await gateway.upstream.close()
+
+    async def chat_completions(request: Request) -> Response:
+        return await _serve_turn(gateway, request, "/v1/chat/completions", "messages")
+
+    async def completions(request: Request) -> Response:
+        return await _serve_turn(gateway, request, "/v1/completions", "prompt")
+
+    async def models(request: Request) -> Response:
+        if not gateway.models:
+            await gateway.refresh_models()
+        if not gateway.models:
+            return _error(NoHealthyEngine("no engine answered /v1/models"))
+        return JSONResponse({"object": "list", "data": gateway.models})
+
+    async def health(request: Request) -> Response:
+        ok = bool(gateway.prefill.healthy()) and bool(gateway.decode.healthy())
+        body = {
+            "ok": ok,
+            "prefill": {i.url: i.healthy for i in gateway.prefill.instances},
+            "decode": {i.url: i.healthy for i in gateway.decode.instances},
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        gateway.metrics.live_conversations.set(gateway.store.live_count())
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def heartbeat(request: Request) -> Response:
+        conversation_id = request.path_params["conversation_id"]
+        try:
+            _check_conversation_id(conversation_id)
+            raw = await request.body()
+            beat = control.HeartbeatRequest.model_validate_json(raw or b"{}")
+        except GatewayError as error:
+            return _error(error)
+        except ValueError as error:
+            return _error(InvalidRequest(f"invalid heartbeat body: {error}"))
+        gateway.metrics.heartbeats.inc()
+        conversation = gateway.store.get(conversation_id)
+        if conversation is None:
+            answer = control.HeartbeatResponse(conversation_id=conversation_id, known=False)
+        else:
+            remaining = gateway.store.renew(conversation, config.lease_s)
+            answer = control.HeartbeatResponse(
+                conversation_id=conversation_id,
+                known=True,
+                lease_remaining_s=round(remaining, 3),
+                next_heartbeat_s=config.lease_s / 2,
+            )
+        del beat
+        return Response(answer.model_dump_json(), media_type="application/json")
+
+    async def release(request: Request) -> Response:
+        conversation_id = request.path_params["conversation_id"]
+        try:
+            _check_conversation_id(conversation_id)
+        except GatewayError as error:
+            return _error(error)
+        released = gateway.store.remove(conversation_id) is not None
+        if released:
+            gateway.metrics.releases.inc()
+        answer = control.ReleaseResponse(conversation_id=conversation_id, released=released)
+        return Response(answer.model_dump_json(), media_type="application/json")
+
+    conversations = "/v1" + control.CONVERSATIONS_PATH
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route(conversations + "/{conversation_id}/heartbeat", heartbeat, methods=["POST"]),
+            Route(conversations + "/{conversation_id}", release, methods=["DELETE"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return app
+
+
+async def _serve_turn(gateway: Gateway, request: Request, path: str, input_field: str) -> Response:
+    try:
+        body = await _read_json(request, gateway.config.max_body_bytes)
+        _validate(body, input_field, gateway)
+        conversation_id = _conversation_id(request, body)
+        _record_pause(gateway, request)
+        return await gateway.runner.run(Turn(path, body, conversation_id))
+    except GatewayError as error:
+        if error.status >= 500:
+            logger.warning("turn failed: %s", error.message)
+        return _error(error)
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body is larger than {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    try:
+        body = orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _validate(body: dict[str, Any], input_field: str, gateway: Gateway) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("you must provide a model parameter", param="model")
+    names = gateway.model_names()
+    if names and model not in names:
+        raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+    if input_field not in body:
+        raise InvalidRequest(f"missing required parameter: {input_field!r}", param=input_field)
+    if input_field == "messages" and (not isinstance(body["messages"], list) or not body["messages"]):
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+
+
+def _conversation_id(request: Request, body: dict[str, Any]) -> str | None:
+    """From the header, else a ``conversation_id`` body field, else OpenAI's prompt_cache_key."""
+    value = request.headers.get(h.CONVERSATION_ID)
+    if value is None:
+        value = body.pop("conversation_id", None)
+        if value is None:
+            value = body.get("prompt_cache_key")
+    else:
+        body.pop("conversation_id", None)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest("conversation id must be a string", param="conversation_id")
+    _check_conversation_id(value)
+    return value
+
+
+def _check_conversation_id(value: str) -> None:
+    if not h.is_valid_conversation_id(value):
+        raise InvalidRequest(
+            f"invalid conversation id: 1-{h.CONVERSATION_ID_MAX_LEN} characters of "
+            "letters, digits, '.', '_', ':' or '-'",
+            param="conversation_id",
+        )
+
+
+def _record_pause(gateway: Gateway, request: Request) -> None:
+    pause_ms = request.headers.get(h.PAUSE_MS)
+    kind = request.headers.get(h.PAUSE_KIND)
+    if pause_ms is None or kind not in ("tool", "user"):
+        return
+    try:
+        gateway.metrics.pauses.labels(kind).observe(float(pause_ms) / 1000)
+    except ValueError:
+        return
+
+
+def _error(error: GatewayError) -> Response:
+    return Response(orjson.dumps(error.body()), status_code=error.status, media_type="application/json")

@@ -1,0 +1,204 @@
+"""The ``kvturn`` command: ``up`` (local engines), ``models`` (build local models)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.engines import Deployment, EngineError, KVSettings, plan_specs, start_engines
+from kvturn.gateway.local_models import MODEL_NAMES, ensure_model, kvturn_home
+
+
+def _resolve_model(name_or_path: str) -> tuple[Path, str]:
+    if name_or_path in MODEL_NAMES:
+        print(f"kvturn: preparing local model {name_or_path!r} (built once, then cached)", flush=True)
+        return ensure_model(name_or_path), name_or_path
+    path = Path(name_or_path)
+    if not (path / "config.json").exists():
+        raise SystemExit(
+            f"kvturn: {name_or_path!r} is neither a local model name "
+            f"({', '.join(MODEL_NAMES)}) nor a model directory with config.json"
+        )
+    return path, path.name
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    model, served_name = _resolve_model(args.model)
+    kv = KVSettings(
+        decoder_kv_blocks_ttl_s=args.kv_ttl,
+        kv_recompute_threshold=args.recompute_threshold,
+    )
+    specs = plan_specs(
+        model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        base_port=args.base_port,
+        kv=kv,
+        served_model_name=served_name,
+        prefill_prefix_caching=args.prefill_prefix_cache,
+    )
+    log_dir = Path(args.log_dir) if args.log_dir else kvturn_home() / "logs"
+    # Signals turn into an exception so every path below reaches the cleanup.
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    deployment: Deployment | None = None
+    gateway = None
+    try:
+        print(
+            f"kvturn: starting {args.prefill} prefill + {args.decode} decode engine(s) "
+            f"({served_name}); logs in {log_dir}",
+            flush=True,
+        )
+        deployment = start_engines(specs, log_dir, timeout_s=args.start_timeout, progress=True)
+        if not args.no_gateway:
+            from kvturn.gateway.server import GatewayThread
+
+            config = GatewayConfig.from_env(
+                prefill=endpoints([e.spec.url for e in deployment.prefill]),
+                decode=endpoints(
+                    [e.spec.url for e in deployment.decode],
+                    [f"http://127.0.0.1:{e.spec.control_port}" for e in deployment.decode],
+                ),
+                lease_s=args.lease_s,
+                reuse_threshold_tokens=args.recompute_threshold,
+            )
+            gateway = GatewayThread(config, port=args.port).start()
+        state = {
+            "model": served_name,
+            "gateway": f"{gateway.url}/v1" if gateway else None,
+            "prefill": [e.spec.url for e in deployment.prefill],
+            "decode": [e.spec.url for e in deployment.decode],
+            "decode_control": [
+                f"http://127.0.0.1:{e.spec.control_port}" for e in deployment.decode
+            ],
+            "pids": [e.pid for e in deployment.engines],
+            "launcher_pid": os.getpid(),
+        }
+        for role in ("prefill", "decode"):
+            for url in state[role]:
+                print(f"kvturn: {role:8s} {url}", flush=True)
+        if args.state_file:
+            tmp = Path(args.state_file + ".tmp")
+            tmp.write_text(json.dumps(state, indent=2))
+            tmp.rename(args.state_file)
+        if gateway is not None:
+            print(f"kvturn: gateway  {gateway.url}/v1  (point an OpenAI client here)", flush=True)
+        print("kvturn: ready; Ctrl-C stops everything", flush=True)
+        while True:
+            for engine in deployment.engines:
+                code = engine.exited()
+                if code is not None:
+                    print(
+                        f"kvturn: engine {engine.spec.name} exited with code {code}; "
+                        f"last lines of {engine.log_path}:\n{engine.log_tail()}",
+                        file=sys.stderr,
+                    )
+                    return 1
+            time.sleep(1.0)
+    except _Stop as stop:
+        print(f"kvturn: {stop}: stopping", flush=True)
+        return 0
+    except EngineError as error:
+        print(f"kvturn: {error}", file=sys.stderr)
+        return 1
+    finally:
+        # A second Ctrl-C must not interrupt the cleanup.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if gateway is not None:
+            gateway.stop()
+        if deployment is not None:
+            deployment.stop()
+        if args.state_file:
+            Path(args.state_file).unlink(missing_ok=True)
+        print("kvturn: all engines stopped", flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvturn.gateway.server import serve
+
+    if not args.prefill or not args.decode:
+        raise SystemExit("kvturn serve: give at least one --prefill URL and one --decode URL")
+    config = GatewayConfig.from_env(
+        prefill=endpoints(args.prefill),
+        decode=endpoints(args.decode, args.decode_control),
+        lease_s=args.lease_s,
+        reuse_threshold_tokens=args.recompute_threshold,
+    )
+    serve(config, host=args.host, port=args.port)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    for name in args.names or MODEL_NAMES:
+        if name not in MODEL_NAMES:
+            raise SystemExit(f"kvturn: unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+        print(f"{name}: {ensure_model(name)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvturn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start local prefill/decode engines (Ctrl-C stops them)")
+    up.add_argument("--model", default="tiny", help="tiny, smollm2, or a model directory")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
+    up.add_argument("--decode", type=int, default=1, help="number of decode engines")
+    up.add_argument("--base-port", type=int, default=8100, help="first engine port")
+    up.add_argument("--kv-ttl", type=int, default=480, help="decode KV retention, seconds")
+    up.add_argument("--recompute-threshold", type=int, default=64, help="min tokens to pull")
+    up.add_argument(
+        "--prefill-prefix-cache",
+        action="store_true",
+        help="let prefill engines keep a prefix cache (off: measure what a busy pool sees)",
+    )
+    up.add_argument("--log-dir", default=None, help="engine logs (default $KVTURN_HOME/logs)")
+    up.add_argument("--state-file", default=None, help="write URLs and pids here when ready")
+    up.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait")
+    up.add_argument("--port", type=int, default=8000, help="gateway port")
+    up.add_argument("--no-gateway", action="store_true", help="start the engines only")
+    up.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
+    up.set_defaults(func=cmd_up)
+
+    srv = sub.add_parser("serve", help="run the gateway in front of running engines")
+    srv.add_argument("--prefill", action="append", default=[], help="prefill engine URL")
+    srv.add_argument("--decode", action="append", default=[], help="decode engine URL")
+    srv.add_argument(
+        "--decode-control", action="append", default=[],
+        help="kvturn control URL of each decode engine, in --decode order",
+    )  # fmt: skip
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
+    srv.add_argument("--recompute-threshold", type=int, default=None, help="min tokens to pull")
+    srv.set_defaults(func=cmd_serve)
+
+    models = sub.add_parser("models", help="build the local models (tiny, smollm2)")
+    models.add_argument("names", nargs="*", help=f"any of {', '.join(MODEL_NAMES)} (default all)")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""Gateway settings: flags and ``KVTURN_*`` environment variables map onto one dataclass."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """One vLLM engine the gateway routes to."""
+
+    url: str
+    #: The kvturn connector's control server (decode engines only).
+    control_url: str | None = None
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    prefill: tuple[EngineEndpoint, ...] = ()
+    decode: tuple[EngineEndpoint, ...] = ()
+    #: A conversation's lease: how long its KV stays reusable after a turn or heartbeat
+    #: (never longer than the holder decode retains it).
+    lease_s: float = 60.0
+    #: Never send params this close to the holder's expiry: the pull must land before it.
+    expiry_margin_s: float = 5.0
+    #: Reuse only when at least this many tokens are held (below, recompute is as fast).
+    reuse_threshold_tokens: int = 64
+    #: Conversations remembered at once; the least recently used beyond this are dropped.
+    max_conversations: int = 100_000
+    max_body_bytes: int = 32 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    #: Upper bound on one upstream request (prefill, or a whole decode stream).
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    #: How long to wait, after a decode reply ends, for its connector to publish the retained KV.
+    publish_wait_s: float = 0.5
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> GatewayConfig:
+        """Defaults, then ``KVTURN_*`` environment variables, then explicit ``overrides``."""
+        env: dict[str, object] = {}
+        numeric = {
+            "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
+            "max_conversations": int, "max_body_bytes": int, "connect_timeout_s": float,
+            "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
+        }  # fmt: skip
+        for name, kind in numeric.items():
+            value = os.environ.get(f"KVTURN_{name.upper()}")
+            if value is not None:
+                env[name] = kind(value)
+        for role in ("prefill", "decode"):
+            urls = os.environ.get(f"KVTURN_{role.upper()}_URLS")
+            if urls:
+                controls = os.environ.get(f"KVTURN_{role.upper()}_CONTROL_URLS", "")
+                env[role] = endpoints(urls.split(","), [c for c in controls.split(",") if c])
+        env.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**env)  # type: ignore[arg-type]
+
+
+def endpoints(urls: list[str], control_urls: list[str] | None = None) -> tuple[EngineEndpoint, ...]:
+    """Pair engine URLs with control URLs given in the same order (missing ones are None)."""
+    controls = list(control_urls or [])
+    if len(controls) > len(urls):
+        raise ValueError("more control URLs than engine URLs")
+    controls += [None] * (len(urls) - len(controls))  # type: ignore[list-item]
+    return tuple(
+        EngineEndpoint(u.rstrip("/"), c.rstrip("/") if c else None)
+        for u, c in zip(urls, controls, strict=True)
+    )

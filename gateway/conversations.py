@@ -1,0 +1,117 @@
+"""The conversation table: conversation id → where its KV lives. Metadata only, bounded.
+
+An entry holds a *reference* to the retained KV (the holder decode and the request id its
+connector published it under), never block lists or digests: those stay on the decode and are
+fetched when a turn reuses them, so an entry stays well under 1 KB however long the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Conversation:
+    conversation_id: str
+    #: URL of the decode engine that holds the KV of the last turn, if any.
+    holder_url: str | None = None
+    #: The X-Request-Id under which the holder published the retained KV.
+    holder_request_id: str | None = None
+    #: Tokens whose KV the holder retains (prompt and generated).
+    held_tokens: int = 0
+    #: When the holder frees the blocks (gateway clock).
+    kv_expires_at: float = 0.0
+    #: When the conversation's lease lapses unless a turn or heartbeat renews it.
+    lease_expires_at: float = 0.0
+    turns: int = 0
+    heartbeats: int = 0
+    last_seen: float = 0.0
+    #: Set while the previous turn's retained-KV lookup is still running.
+    settling: asyncio.Event | None = field(default=None, repr=False)
+
+    def has_live_kv(self, now: float, margin_s: float) -> bool:
+        return (
+            self.holder_url is not None
+            and now < self.lease_expires_at
+            and now + margin_s < self.kv_expires_at
+        )
+
+
+class ConversationStore:
+    """LRU-bounded map of live conversations, on an injectable monotonic clock."""
+
+    def __init__(self, max_conversations: int, clock: Callable[[], float] = time.monotonic):
+        self._items: OrderedDict[str, Conversation] = OrderedDict()
+        self._max = max_conversations
+        self.clock = clock
+
+    def get(self, conversation_id: str) -> Conversation | None:
+        conversation = self._items.get(conversation_id)
+        if conversation is not None:
+            self._items.move_to_end(conversation_id)
+        return conversation
+
+    def get_or_create(self, conversation_id: str) -> Conversation:
+        conversation = self.get(conversation_id)
+        if conversation is None:
+            conversation = Conversation(conversation_id, last_seen=self.clock())
+            self._items[conversation_id] = conversation
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+        return conversation
+
+    def remove(self, conversation_id: str) -> Conversation | None:
+        return self._items.pop(conversation_id, None)
+
+    def record_retained(
+        self,
+        conversation: Conversation,
+        holder_url: str,
+        request_id: str,
+        held_tokens: int,
+        kv_expires_in_s: float,
+        lease_s: float,
+    ) -> None:
+        """The holder decode now retains ``held_tokens`` of this conversation's KV."""
+        now = self.clock()
+        conversation.holder_url = holder_url
+        conversation.holder_request_id = request_id
+        conversation.held_tokens = held_tokens
+        conversation.kv_expires_at = now + kv_expires_in_s
+        conversation.lease_expires_at = min(now + lease_s, conversation.kv_expires_at)
+        conversation.last_seen = now
+
+    def forget_kv(self, conversation: Conversation) -> None:
+        conversation.holder_url = None
+        conversation.holder_request_id = None
+        conversation.held_tokens = 0
+        conversation.kv_expires_at = 0.0
+        conversation.lease_expires_at = 0.0
+
+    def renew(self, conversation: Conversation, lease_s: float) -> float:
+        """Extend the lease by a heartbeat; returns the seconds it now has left.
+
+        The lease never outlives the blocks: the holder's retention is fixed until decode-side
+        renewable leases land, so renewing past it would promise KV that is gone.
+        """
+        now = self.clock()
+        conversation.heartbeats += 1
+        conversation.last_seen = now
+        if conversation.holder_url is None:
+            return 0.0
+        conversation.lease_expires_at = min(now + lease_s, conversation.kv_expires_at)
+        return max(0.0, conversation.lease_expires_at - now)
+
+    def live_count(self) -> int:
+        now = self.clock()
+        return sum(1 for c in self._items.values() if c.lease_expires_at > now)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Conversation]:
+        return iter(list(self._items.values()))

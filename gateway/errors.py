@@ -1,0 +1,61 @@
+"""Typed gateway errors and the one place that turns them into OpenAI-shaped error bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GatewayError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI error type."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class BodyTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class NoHealthyEngine(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "no_healthy_engine"
+
+
+class UpstreamError(GatewayError):
+    """An engine failed in a way that retrying elsewhere cannot fix."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """``{"error": {...}}`` exactly as the OpenAI API shapes it."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,47 @@
+"""The gateway's Prometheus metrics, on a registry of its own (one per app instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PAUSE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.turns = Counter("kvturn_turns", "Turns served, by plan", ["plan"], registry=r)
+        self.fallbacks = Counter(
+            "kvturn_reuse_fallbacks", "Turns that could not reuse, by reason", ["reason"], registry=r
+        )
+        self.reused_tokens = Counter(
+            "kvturn_reused_tokens", "Prompt tokens whose KV was pulled, not recomputed", registry=r
+        )
+        self.recomputed_tokens = Counter(
+            "kvturn_recomputed_tokens", "Prompt tokens prefill computed", registry=r
+        )
+        self.ttft = Histogram(
+            "kvturn_ttft_seconds", "Time to the first streamed chunk, by plan", ["plan"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefill_seconds = Histogram(
+            "kvturn_prefill_seconds", "Prefill round trip, by plan", ["plan"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.live_conversations = Gauge(
+            "kvturn_live_conversations", "Conversations with a live lease", registry=r
+        )
+        self.heartbeats = Counter("kvturn_heartbeats", "Heartbeats received", registry=r)
+        self.releases = Counter("kvturn_releases", "Conversations released", registry=r)
+        self.pauses = Histogram(
+            "kvturn_client_pause_seconds", "Pauses before turns reported by clients", ["kind"],
+            buckets=_PAUSE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "kvturn_upstream_errors", "Engine requests that failed, by role", ["role"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

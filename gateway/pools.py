@@ -1,0 +1,71 @@
+"""Prefill and decode pools: healthy instances, chosen by load, with health checks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvturn.gateway.config import EngineEndpoint
+from kvturn.gateway.errors import NoHealthyEngine
+from kvturn.gateway.upstream import Upstream
+
+logger = logging.getLogger("kvturn.gateway")
+
+
+@dataclass(eq=False)
+class Instance:
+    """One engine: where it is, whether it answers, how many requests it is serving."""
+
+    url: str
+    control_url: str | None = None
+    healthy: bool = True
+    in_flight: int = 0
+    host: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = urlsplit(self.url).hostname or "127.0.0.1"
+
+
+class Pool:
+    """Instances of one role. Least-loaded choice; a preferred instance wins ties."""
+
+    def __init__(self, role: str, endpoints: Sequence[EngineEndpoint]):
+        self.role = role
+        self.instances = [Instance(e.url, e.control_url) for e in endpoints]
+        self._by_url = {i.url: i for i in self.instances}
+
+    def get(self, url: str | None) -> Instance | None:
+        return self._by_url.get(url) if url else None
+
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances if i.healthy]
+
+    def choose(self, prefer: str | None = None, exclude: Instance | None = None) -> Instance:
+        candidates = [i for i in self.instances if i.healthy and i is not exclude]
+        if not candidates:
+            raise NoHealthyEngine(f"no healthy {self.role} engine")
+        preferred = self._by_url.get(prefer) if prefer else None
+        best = min(candidates, key=lambda i: i.in_flight)
+        if preferred in candidates and preferred.in_flight <= best.in_flight:
+            return preferred
+        return best
+
+
+async def check_health_forever(pools: Sequence[Pool], upstream: Upstream, interval_s: float) -> None:
+    """Poll every instance's ``/health``; drop the silent ones, re-admit those that answer."""
+    while True:
+        instances = [i for pool in pools for i in pool.instances]
+        results = await asyncio.gather(
+            *(upstream.is_healthy(i.url) for i in instances), return_exceptions=True
+        )
+        for instance, ok in zip(instances, results, strict=True):
+            alive = ok is True
+            if alive != instance.healthy:
+                logger.warning(
+                    "%s %s is %s", "engine", instance.url, "back" if alive else "unhealthy"
+                )
+            instance.healthy = alive
+        await asyncio.sleep(interval_s)

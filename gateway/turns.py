@@ -1,0 +1,351 @@
+"""One turn through prefill and decode: plan, pull or recompute, stream back, remember.
+
+This module only shapes requests, carries ``kv_transfer_params`` between the engines and
+updates the conversation table. Routing lives in :mod:`.pools`, the decision in
+:mod:`.planner`, HTTP framing in :mod:`.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.responses import Response, StreamingResponse
+
+from kvturn import headers as h
+from kvturn.gateway.config import GatewayConfig
+from kvturn.gateway.conversations import Conversation, ConversationStore
+from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
+from kvturn.gateway.metrics import GatewayMetrics
+from kvturn.gateway.planner import TurnPlan, plan_turn
+from kvturn.gateway.pools import Instance, Pool
+from kvturn.gateway.upstream import Upstream, UpstreamUnavailable, iter_chunks
+
+logger = logging.getLogger("kvturn.gateway")
+
+#: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
+RECOMPUTE_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+#: Sampling fields that only matter for the reply, dropped from the prefill request.
+_DECODE_ONLY_FIELDS = ("max_completion_tokens", "stream_options", "min_tokens", "n")
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request as the gateway received it."""
+
+    path: str
+    body: dict[str, Any]
+    conversation_id: str | None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    instance: Instance
+    params: dict[str, Any]
+    prompt_tokens: int
+    reused_tokens: int
+    plan: TurnPlan
+
+
+class TurnRunner:
+    """Serve turns through the prefill and decode pools."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        prefill: Pool,
+        decode: Pool,
+        upstream: Upstream,
+        store: ConversationStore,
+        metrics: GatewayMetrics,
+    ):
+        self.config = config
+        self.prefill = prefill
+        self.decode = decode
+        self.upstream = upstream
+        self.store = store
+        self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def run(self, turn: Turn) -> Response:
+        conversation = self.store.get_or_create(turn.conversation_id) if turn.conversation_id else None
+        if conversation is not None and conversation.settling is not None:
+            # The previous turn's KV location is still being recorded: wait briefly for it.
+            try:
+                await asyncio.wait_for(conversation.settling.wait(), self.config.publish_wait_s)
+            except TimeoutError:
+                pass
+        prefilled = await self._prefill(turn, conversation)
+        if isinstance(prefilled, Response):
+            return prefilled
+        try:
+            return await self._decode(turn, conversation, prefilled)
+        except UpstreamUnavailable as error:
+            # The decode died before answering: serve the turn again from scratch elsewhere.
+            logger.warning("decode failed before replying (%s); recomputing elsewhere", error)
+            self.metrics.upstream_errors.labels("decode").inc()
+            failed = self.decode.get(_instance_url(error)) or None
+            if failed is not None:
+                failed.healthy = False
+            retry = await self._prefill(turn, None, forced=TurnPlan("recompute", "decode-failed"))
+            if isinstance(retry, Response):
+                return retry
+            return await self._decode(turn, conversation, retry)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ---- prefill ----------------------------------------------------------------------------
+
+    async def _prefill(
+        self, turn: Turn, conversation: Conversation | None, forced: TurnPlan | None = None
+    ) -> PrefillResult | Response:
+        plan = forced or self._plan(conversation)
+        params = RECOMPUTE_PARAMS
+        if plan.reuses and conversation is not None:
+            retained = await self._fetch_retained(conversation)
+            if retained is None:
+                plan = TurnPlan("recompute", "kv-gone")
+                self.store.forget_kv(conversation)
+            else:
+                params = retained
+        if not plan.reuses:
+            self.metrics.fallbacks.labels(plan.reason).inc()
+
+        body = _prefill_body(turn.body, params)
+        attempts = 0
+        tried: Instance | None = None
+        while True:
+            attempts += 1
+            instance = self.prefill.choose(exclude=tried)
+            instance.in_flight += 1
+            started = time.perf_counter()
+            try:
+                response = await self.upstream.post_json(instance.url + turn.path, body)
+            except UpstreamUnavailable:
+                instance.healthy = False
+                response = None
+            finally:
+                instance.in_flight -= 1
+            if response is not None and response.status == 200:
+                break
+            if response is not None and 400 <= response.status < 500 and params is RECOMPUTE_PARAMS:
+                return _passthrough(response.status, response.body)
+            self.metrics.upstream_errors.labels("prefill").inc()
+            if params is not RECOMPUTE_PARAMS:
+                # vLLM answers a declined or failed pull with an error: retry as plain recompute.
+                logger.warning("prefill with reuse failed (%s); recomputing", _status(response))
+                params, plan = RECOMPUTE_PARAMS, TurnPlan("recompute", "pull-failed")
+                self.metrics.fallbacks.labels(plan.reason).inc()
+                body = _prefill_body(turn.body, params)
+            elif attempts >= 2 or len(self.prefill.healthy()) == 0:
+                if response is None:
+                    raise NoHealthyEngine("no prefill engine answered")
+                raise UpstreamError(f"prefill failed with HTTP {response.status}")
+            tried = instance
+
+        self.metrics.prefill_seconds.labels(plan.plan).observe(time.perf_counter() - started)
+        data = response.json()
+        usage = data.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        if plan.reuses and reused == 0:
+            plan = TurnPlan("recompute", "no-common-prefix")
+            self.metrics.fallbacks.labels(plan.reason).inc()
+        decode_params = dict(data.get("kv_transfer_params") or {})
+        if not decode_params:
+            raise UpstreamError("prefill returned no kv_transfer_params (is it a kvturn engine?)")
+        decode_params["remote_host"] = instance.host
+        return PrefillResult(instance, decode_params, prompt_tokens, reused, plan)
+
+    def _plan(self, conversation: Conversation | None) -> TurnPlan:
+        holder = self.decode.get(conversation.holder_url) if conversation else None
+        return plan_turn(
+            conversation,
+            self.store.clock(),
+            holder_healthy=holder is not None and holder.healthy and holder.control_url is not None,
+            expiry_margin_s=self.config.expiry_margin_s,
+            threshold_tokens=self.config.reuse_threshold_tokens,
+        )
+
+    async def _fetch_retained(self, conversation: Conversation) -> dict[str, Any] | None:
+        holder = self.decode.get(conversation.holder_url)
+        if holder is None or holder.control_url is None or not conversation.holder_request_id:
+            return None
+        url = f"{holder.control_url}/kvturn/retained/{conversation.holder_request_id}"
+        try:
+            response = await self.upstream.get(url, timeout_s=2.0)
+        except UpstreamUnavailable:
+            return None
+        if response.status != 200:
+            return None
+        params = response.json()
+        if float(params.pop("expires_in_s", 0)) <= self.config.expiry_margin_s:
+            return None
+        params["remote_host"] = holder.host
+        return params
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    async def _decode(
+        self, turn: Turn, conversation: Conversation | None, prefilled: PrefillResult
+    ) -> Response:
+        instance = self.decode.choose(prefer=conversation.holder_url if conversation else None)
+        request_id = f"kvturn-{uuid.uuid4().hex}"
+        body = dict(turn.body)
+        body["kv_transfer_params"] = prefilled.params
+        plan = prefilled.plan
+        self.metrics.turns.labels(plan.plan).inc()
+        self.metrics.reused_tokens.inc(prefilled.reused_tokens)
+        self.metrics.recomputed_tokens.inc(max(0, prefilled.prompt_tokens - prefilled.reused_tokens))
+        response_headers = {
+            h.PLAN: plan.plan,
+            h.REUSED_TOKENS: str(prefilled.reused_tokens),
+        }
+        if conversation is not None:
+            conversation.turns += 1
+            response_headers[h.CONVERSATION_ID] = conversation.conversation_id
+            response_headers[h.LEASE_SECONDS] = f"{self.config.lease_s:g}"
+        url = instance.url + turn.path
+        upstream_headers = {"X-Request-Id": request_id}
+
+        if not turn.stream:
+            instance.in_flight += 1
+            try:
+                response = await self.upstream.post_json(url, body, upstream_headers)
+            except UpstreamUnavailable as error:
+                raise UpstreamUnavailable(instance.url) from error
+            finally:
+                instance.in_flight -= 1
+            _mark_settling(conversation)
+            if response.status != 200:
+                self._settle_later(conversation, None, request_id)
+                return _passthrough(response.status, response.body, response_headers)
+            data = response.json()
+            data.pop("kv_transfer_params", None)
+            self._settle_later(conversation, instance, request_id)
+            return Response(orjson.dumps(data), media_type="application/json", headers=response_headers)
+
+        instance.in_flight += 1
+        try:
+            upstream = await self.upstream.open_stream(url, body, upstream_headers)
+        except UpstreamUnavailable as error:
+            instance.in_flight -= 1
+            raise UpstreamUnavailable(instance.url) from error
+        _mark_settling(conversation)
+        if upstream.status != 200:
+            payload = await upstream.read()
+            upstream.release()
+            instance.in_flight -= 1
+            self._settle_later(conversation, None, request_id)
+            return _passthrough(upstream.status, payload, response_headers)
+
+        async def relay() -> AsyncIterator[bytes]:
+            first = True
+            completed = False
+            try:
+                async for chunk in iter_chunks(upstream):
+                    if first:
+                        first = False
+                        self.metrics.ttft.labels(plan.plan).observe(time.perf_counter() - turn.started)
+                    yield chunk
+                completed = True
+            finally:
+                instance.in_flight -= 1
+                self._settle_later(conversation, instance if completed else None, request_id)
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=response_headers)
+
+    # ---- after the reply --------------------------------------------------------------------
+
+    def _settle_later(
+        self, conversation: Conversation | None, holder: Instance | None, request_id: str
+    ) -> None:
+        """Record where the conversation's KV now lives, off the response path."""
+        if conversation is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(conversation, holder, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _settle(
+        self, conversation: Conversation, holder: Instance | None, request_id: str
+    ) -> None:
+        event = conversation.settling
+        try:
+            retained = None
+            if holder is not None and holder.control_url is not None:
+                wait_ms = int(self.config.publish_wait_s * 1000)
+                url = f"{holder.control_url}/kvturn/retained/{request_id}?wait_ms={wait_ms}"
+                try:
+                    response = await self.upstream.get(url, timeout_s=self.config.publish_wait_s + 2)
+                    if response.status == 200:
+                        retained = response.json()
+                except UpstreamUnavailable:
+                    retained = None
+            if retained is None or holder is None:
+                self.store.forget_kv(conversation)
+            else:
+                self.store.record_retained(
+                    conversation,
+                    holder.url,
+                    request_id,
+                    held_tokens=int(retained.get("remote_num_tokens") or 0),
+                    kv_expires_in_s=float(retained.get("expires_in_s") or 0),
+                    lease_s=self.config.lease_s,
+                )
+        finally:
+            if event is not None:
+                event.set()
+            if conversation.settling is event:
+                conversation.settling = None
+            self.metrics.live_conversations.set(self.store.live_count())
+
+
+def _mark_settling(conversation: Conversation | None) -> None:
+    """From now until the reply is recorded, the conversation's next turn waits for it."""
+    if conversation is not None:
+        conversation.settling = asyncio.Event()
+
+
+def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    prefill = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
+    prefill["max_tokens"] = 1
+    prefill["stream"] = False
+    prefill["kv_transfer_params"] = dict(params)
+    return prefill
+
+
+def _passthrough(status: int, payload: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(payload, status_code=status, media_type="application/json", headers=headers)
+
+
+def _status(response: Any) -> str:
+    return "unreachable" if response is None else f"HTTP {response.status}"
+
+
+def _instance_url(error: BaseException) -> str | None:
+    return str(error.args[0]) if error.args else None
+
+
+__all__ = ["RECOMPUTE_PARAMS", "GatewayError", "Turn", "TurnRunner"]

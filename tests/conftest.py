@@ -1,0 +1,95 @@
+"""Session fixtures: one real 1P1D vLLM pair (tiny model, float32) for the whole test run.
+
+The pair is started through ``kvturn up`` itself, so the launcher is exercised exactly as a user
+runs it; the last test of the session interrupts it and checks that no engine survives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+#: Engine ports for tests start here, away from ``kvturn up``'s default 8100.
+TEST_BASE_PORT = int(os.environ.get("KVTURN_TEST_BASE_PORT", "18100"))
+#: Decode retention in the test engines: long enough for any test, short enough that blocks
+#: leaked by a failing test do not stay pinned for long.
+TEST_KV_TTL_S = 120
+
+
+@dataclass
+class LocalPair:
+    """The running ``kvturn up`` process and what it reported."""
+
+    process: subprocess.Popen[bytes]
+    state: dict[str, object]
+    log_path: Path
+    stopped: bool = field(default=False)
+
+    @property
+    def prefill_url(self) -> str:
+        return str(self.state["prefill"][0])  # type: ignore[index]
+
+    @property
+    def decode_url(self) -> str:
+        return str(self.state["decode"][0])  # type: ignore[index]
+
+    @property
+    def decode_control_url(self) -> str:
+        return str(self.state["decode_control"][0])  # type: ignore[index]
+
+    @property
+    def model(self) -> str:
+        return str(self.state["model"])
+
+    @property
+    def engine_pids(self) -> list[int]:
+        return [int(p) for p in self.state["pids"]]  # type: ignore[union-attr]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``stops_engines`` end the shared pair, so they run last."""
+    last = [i for i in items if i.get_closest_marker("stops_engines")]
+    rest = [i for i in items if not i.get_closest_marker("stops_engines")]
+    items[:] = rest + last
+
+
+@pytest.fixture(scope="session")
+def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
+    work = tmp_path_factory.mktemp("engines")
+    state_file = work / "state.json"
+    log_path = work / "kvturn-up.log"
+    command = [
+        sys.executable, "-m", "kvturn.gateway.cli", "up",
+        "--model", "tiny",
+        "--base-port", str(TEST_BASE_PORT),
+        "--kv-ttl", str(TEST_KV_TTL_S),
+        "--log-dir", str(work / "logs"),
+        "--state-file", str(state_file),
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while not state_file.exists():
+        if process.poll() is not None:
+            pytest.fail(f"kvturn up exited with {process.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            process.send_signal(signal.SIGINT)
+            pytest.fail(f"engines not ready after 900 s:\n{log_path.read_text()}")
+        time.sleep(1)
+    pair = LocalPair(process, json.loads(state_file.read_text()), log_path)
+    yield pair
+    if pair.process.poll() is None:
+        pair.process.send_signal(signal.SIGINT)
+        try:
+            pair.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pair.process.kill()

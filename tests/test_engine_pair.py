@@ -1,0 +1,111 @@
+"""The foundation: a real vLLM prefill/decode pair on CPU with real NIXL transfers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import LocalPair
+from tests.engine_requests import (
+    PREFILL_PARAMS,
+    chat,
+    long_prompt,
+    metric_total,
+    single_engine_ids,
+)
+
+pytestmark = pytest.mark.engines
+
+
+def test_tiny_model_greedy_output_is_not_degenerate(local_pair: LocalPair) -> None:
+    messages = [{"role": "user", "content": "Write a poem about the sea."}]
+    ids = single_engine_ids(local_pair.prefill_url, local_pair.model, messages, max_tokens=32)
+    assert len(ids) == 32
+    assert len(set(ids)) >= 10, f"only {len(set(ids))} distinct tokens in {ids}"
+
+
+def test_decode_after_transfer_equals_single_engine(local_pair: LocalPair) -> None:
+    messages = [{"role": "user", "content": long_prompt(1500, "lighthouses")}]
+    decode_metrics = httpx.get(f"{local_pair.decode_url}/metrics").text
+    transfers_before = metric_total(decode_metrics, "vllm:nixl_xfer_time_seconds_count")
+    bytes_before = metric_total(decode_metrics, "vllm:nixl_bytes_transferred_sum")
+
+    prefill = chat(
+        local_pair.prefill_url,
+        {"model": local_pair.model, "messages": messages, "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": dict(PREFILL_PARAMS)},
+    )  # fmt: skip
+    params = prefill["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    assert params["remote_num_tokens"] == prefill["usage"]["prompt_tokens"]
+
+    decode = chat(
+        local_pair.decode_url,
+        {"model": local_pair.model, "messages": messages, "max_tokens": 32, "temperature": 0,
+         "return_token_ids": True, "kv_transfer_params": params},
+    )  # fmt: skip
+    expected = single_engine_ids(local_pair.prefill_url, local_pair.model, messages, 32)
+    got = list(decode["choices"][0]["token_ids"])
+    first_diff = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    assert got == expected, f"first divergence at token {first_diff}"
+
+    # Decode pulled the prompt's KV over NIXL rather than computing it.
+    deadline = time.monotonic() + 15  # stats reach /metrics on the next logging interval
+    while True:
+        decode_metrics = httpx.get(f"{local_pair.decode_url}/metrics").text
+        transfers = metric_total(decode_metrics, "vllm:nixl_xfer_time_seconds_count")
+        moved = metric_total(decode_metrics, "vllm:nixl_bytes_transferred_sum")
+        if transfers > transfers_before or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert transfers > transfers_before
+    # float32 KV of ~1.5k tokens: 4 layers x K,V x 2 heads x 64 dims x 4 bytes = 4 KiB/token.
+    assert moved - bytes_before >= 1400 * 4096
+
+
+def test_decode_publishes_retained_kv_for_the_gateway(local_pair: LocalPair) -> None:
+    messages = [{"role": "user", "content": long_prompt(600, "owls")}]
+    prefill = chat(
+        local_pair.prefill_url,
+        {"model": local_pair.model, "messages": messages, "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": dict(PREFILL_PARAMS)},
+    )  # fmt: skip
+    request_id = "kvturn-test-publish"
+    chat(
+        local_pair.decode_url,
+        {"model": local_pair.model, "messages": messages, "max_tokens": 8, "temperature": 0,
+         "stream": False, "kv_transfer_params": prefill["kv_transfer_params"]},
+        headers={"X-Request-Id": request_id},
+    )  # fmt: skip
+    published = httpx.get(f"{local_pair.decode_control_url}/kvturn/retained/{request_id}").json()
+    assert published["do_remote_decode"] is True
+    # Prompt plus the generated tokens that have KV (the last sampled token has none yet).
+    assert published["remote_num_tokens"] == prefill["usage"]["prompt_tokens"] + 7
+    assert len(published["kvturn_prefix_digests"]) == published["remote_num_tokens"] // 16
+    assert 0 < published["expires_in_s"] <= 120
+    missing = httpx.get(f"{local_pair.decode_control_url}/kvturn/retained/nope")
+    assert missing.status_code == 404
+
+
+@pytest.mark.stops_engines
+def test_sigint_to_kvturn_up_stops_every_engine(local_pair: LocalPair) -> None:
+    groups = {os.getpgid(pid) for pid in local_pair.engine_pids}
+    local_pair.process.send_signal(signal.SIGINT)
+    assert local_pair.process.wait(timeout=90) == 0
+    survivors = [
+        entry
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and _process_group(int(entry)) in groups
+    ]
+    assert survivors == [], f"engine processes survived: {survivors}"
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
