@@ -94,7 +94,15 @@ class StubGateway:
                 ),
                 Route(f"/v1{CONVERSATIONS_PATH}/{{cid}}", self._release, methods=["DELETE"]),
             ]
+        # Last: record whatever no route serves (a plain server's 404s are part of the story).
+        routes.append(
+            Route("/{path:path}", self._not_found, methods=["GET", "POST", "PUT", "DELETE"])
+        )
         return Starlette(routes=routes)
+
+    async def _not_found(self, request: Request) -> Response:
+        await self._record(request)
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
 
     async def _record(self, request: Request) -> Recorded:
         raw = await request.body()

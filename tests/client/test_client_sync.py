@@ -1,0 +1,367 @@
+"""kvturn.client.OpenAI against the stand-in gateway."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from kvturn_stub_gateway import StubGateway
+from kvturn_test_helpers import TOOLS, USER, tool_result
+
+from kvturn import headers as h
+from kvturn.client import OpenAI, Pause, current_conversation
+
+CID = h.CONVERSATION_ID.lower()
+TID = h.TURN_ID.lower()
+PMS = h.PAUSE_MS.lower()
+PKIND = h.PAUSE_KIND.lower()
+
+
+_opened: list[OpenAI] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
+def make_client(stub: StubGateway, **kwargs: object) -> OpenAI:
+    client = OpenAI(base_url=stub.url, api_key="test", **kwargs)  # type: ignore[arg-type]
+    _opened.append(client)
+    return client
+
+
+def ask(client: OpenAI, **kwargs: object) -> object:
+    return client.chat.completions.create(model="m", messages=USER, **kwargs)  # type: ignore[call-overload]
+
+
+def test_headers_arrive_and_pauses_follow_the_first_turn(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation("conv-1") as conversation:
+        ask(client)
+        ask(client)
+    first, second = stub.chat_requests()
+    assert first.headers[CID] == second.headers[CID] == "conv-1"
+    assert len(first.headers[TID]) == 32 and first.headers[TID] != second.headers[TID]
+    assert PMS not in first.headers and PKIND not in first.headers
+    assert int(second.headers[PMS]) >= 0 and second.headers[PKIND] == "user"
+    assert conversation.turn_count == 2
+    assert [t.turn_id for t in conversation.turns] == [first.headers[TID], second.headers[TID]]
+
+
+def test_default_id_is_a_uuid4_and_known_before_entering(stub: StubGateway) -> None:
+    client = make_client(stub)
+    scope = client.conversation()
+    assert uuid.UUID(scope.id).version == 4
+    with scope as conversation:
+        assert current_conversation() is conversation
+        ask(client)
+    assert current_conversation() is None
+    assert stub.chat_requests()[0].headers[CID] == scope.id
+
+
+def test_requests_outside_a_conversation_carry_nothing(stub: StubGateway) -> None:
+    client = make_client(stub)
+    ask(client)
+    headers = stub.chat_requests()[0].headers
+    assert CID not in headers and TID not in headers
+
+
+def test_invalid_ids_are_refused(stub: StubGateway) -> None:
+    with pytest.raises(ValueError):
+        make_client(stub).conversation("has space").__enter__()
+
+
+@pytest.mark.parametrize("status", ["500", "429"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_turn_id_survives_a_retried_request(stub: StubGateway, status: str, stream: bool) -> None:
+    client = make_client(stub)
+    with client.conversation() as conversation:
+        ask(client)
+        reply = ask(client, stream=stream, extra_headers={"X-Stub-Fail-First": status})
+        if stream:
+            list(reply)  # type: ignore[call-overload]
+    first, failed, retried = stub.chat_requests()
+    assert failed.headers["x-stainless-retry-count"] == "0"
+    assert retried.headers["x-stainless-retry-count"] == "1"
+    assert failed.headers[TID] == retried.headers[TID] != first.headers[TID]
+    # The retry reports the same pause: the pause ended when the turn started, not per attempt.
+    assert failed.headers[PMS] == retried.headers[PMS]
+    assert conversation.turn_count == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pause_is_measured_within_20ms_of_an_injected_sleep(
+    stub: StubGateway, stream: bool
+) -> None:
+    client = make_client(stub)
+    with client.conversation():
+        for pause_s in (0.25, 0.1, 0.0):
+            reply = ask(client, stream=stream)
+            if stream:
+                list(reply)  # type: ignore[call-overload]
+            time.sleep(pause_s)
+    pauses = [int(r.headers[PMS]) for r in stub.chat_requests()[1:]]
+    assert abs(pauses[0] - 250) <= 20, pauses
+    assert abs(pauses[1] - 100) <= 20, pauses
+
+
+def test_a_stream_pause_starts_when_the_stream_is_exhausted(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation() as conversation:
+        stream = ask(client, stream=True)
+        time.sleep(0.2)  # still reading: not a pause
+        list(stream)  # type: ignore[call-overload]
+        time.sleep(0.05)
+        ask(client)
+    pause = conversation.turns[-1].pause
+    assert pause is not None and 40 <= pause.ms < 150
+
+
+def test_a_closed_stream_ends_the_reply(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation() as conversation:
+        with ask(client, stream=True, extra_headers={"X-Stub-Chunk-Delay-Ms": "20"}) as stream:
+            next(iter(stream))  # type: ignore[call-overload]
+        assert conversation.in_flight == 0
+        time.sleep(0.05)
+        ask(client)
+    pause = conversation.turns[-1].pause
+    assert pause is not None and 40 <= pause.ms < 150
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_finish_reason_starts_a_tool_pause(stub: StubGateway, stream: bool) -> None:
+    client = make_client(stub)
+    with client.conversation() as conversation:
+        if stream:
+            chunks = list(ask(client, tools=TOOLS, stream=True))  # type: ignore[call-overload]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            reply = ask(client, tools=TOOLS)  # the tool pause, then a non-streamed turn
+        else:
+            reply = ask(client, tools=TOOLS)
+            assert reply.choices[0].finish_reason == "tool_calls"  # type: ignore[attr-defined]
+        client.chat.completions.create(model="m", messages=tool_result(reply), tools=TOOLS)
+    kinds = [r.headers.get(PKIND) for r in stub.chat_requests()]
+    assert kinds == [None, "tool", "tool"] if stream else kinds == [None, "tool"]
+    assert conversation.turns[-1].tool_calls is False
+
+
+def test_raw_responses_are_tracked_too(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation() as conversation:
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=USER, tools=TOOLS
+        )
+        assert raw.parse().choices[0].finish_reason == "tool_calls"
+        raw_stream = client.chat.completions.with_raw_response.create(
+            model="m", messages=USER, stream=True
+        )
+        assert conversation.in_flight == 1  # its reply has not been read yet
+        list(raw_stream.parse())
+        assert conversation.in_flight == 0
+    assert [r.headers.get(PKIND) for r in stub.chat_requests()] == [None, "tool"]
+
+
+def test_gateway_answers_are_recorded_on_turns(stub: StubGateway) -> None:
+    stub.lease_seconds = 12.5
+    client = make_client(stub)
+    with client.conversation() as conversation:
+        ask(client)
+        ask(client)
+    first, second = conversation.turns
+    assert (first.plan, first.reused_tokens) == ("recompute", 0)
+    assert second.plan == "decode-local" and (second.reused_tokens or 0) > 0
+    assert conversation.lease_seconds == 12.5
+
+
+def test_heartbeats_during_a_long_tool_pause_none_during_a_short_one(stub: StubGateway) -> None:
+    stub.lease_seconds = 0.2  # first beat after ~0.1 s, then every ~0.1 s
+    client = make_client(stub)
+    with client.conversation("beats") as conversation:
+        reply = ask(client, tools=TOOLS)
+        time.sleep(0.05)  # short: under half the lease
+        short_pause_beats = len(stub.heartbeats)
+        reply = client.chat.completions.create(model="m", messages=tool_result(reply), tools=TOOLS)
+        reply = ask(client, tools=TOOLS)
+        time.sleep(0.45)  # long tool pause
+        long_pause_beats = list(stub.heartbeats)
+        ask(client)
+        time.sleep(0.05)
+        after_request = len(stub.heartbeats)
+    assert short_pause_beats == 0
+    assert 3 <= len(long_pause_beats) <= 5, long_pause_beats
+    assert all(b.conversation_id == "beats" for b in long_pause_beats)
+    assert all(b.body["pause_kind"] == "tool" for b in long_pause_beats)
+    first_ms = long_pause_beats[0].body["paused_ms"]
+    assert 80 <= first_ms <= 160, first_ms  # about half the lease
+    assert after_request == len(long_pause_beats)  # the request stopped them
+    assert conversation.turns[-1].pause == Pause(
+        ms=conversation.turns[-1].pause.ms,  # type: ignore[union-attr]
+        kind="tool",
+    )
+
+
+def test_heartbeats_stop_at_the_maximum_pause_and_on_exit(stub: StubGateway) -> None:
+    stub.lease_seconds = 0.1
+    client = make_client(stub, max_pause_seconds=0.22)
+    with client.conversation():
+        ask(client)
+        time.sleep(0.4)
+        at_max = len(stub.heartbeats)
+    assert 2 <= at_max <= 4  # beats at ~0.05, 0.1, 0.15, 0.2; none after 0.22 s
+    with client.conversation():
+        ask(client)
+    time.sleep(0.15)  # scope left: no beats after exit
+    assert len(stub.heartbeats) == at_max
+
+
+def test_release_reaches_the_gateway(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation("to-release"):
+        ask(client)
+        assert "to-release" in stub.held
+    assert stub.releases == ["to-release"]
+    assert "to-release" not in stub.held
+    assert "to-release" not in client.conversations
+
+
+def test_no_release_when_asked_not_to_and_the_pause_carries_over(stub: StubGateway) -> None:
+    client = make_client(stub, release_on_exit=False)
+    with client.conversation("kept"):
+        ask(client)
+    time.sleep(0.1)
+    with client.conversation("kept") as conversation:
+        ask(client)
+    assert stub.releases == []
+    pause = conversation.turns[-1].pause
+    assert pause is not None and pause.kind == "user" and pause.ms >= 90
+    with client.conversation("kept", release=True):
+        pass
+    assert stub.releases == ["kept"]
+
+
+def test_no_release_for_a_conversation_without_turns(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation():
+        pass
+    assert stub.releases == []
+
+
+def test_with_options_and_copy_keep_kvturn(stub: StubGateway) -> None:
+    client = make_client(stub, max_pause_seconds=42.0, heartbeats=False)
+    for derived in (client.with_options(timeout=5.0), client.copy(max_retries=1)):
+        assert isinstance(derived, OpenAI)
+        assert derived.kvturn_settings.max_pause_seconds == 42.0
+        assert derived.kvturn_settings.heartbeats is False
+    with client.conversation("shared") as conversation:
+        client.with_options(timeout=5.0).chat.completions.create(model="m", messages=USER)
+    assert stub.chat_requests()[0].headers[CID] == "shared"
+    assert conversation.turn_count == 1
+
+
+def test_parallel_requests_in_one_conversation(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation("par") as conversation:
+        ask(client)
+        time.sleep(0.05)
+        with ThreadPoolExecutor(4) as pool:
+            ctx = contextvars.copy_context
+            futures = [
+                pool.submit(ctx().run, ask, client, extra_headers={"X-Stub-Delay-Ms": "50"})
+                for _ in range(3)
+            ]
+            # A thread without the context can name the open conversation by header.
+            futures.append(pool.submit(ask, client, extra_headers={"x-conversation-id": "par"}))
+            for f in futures:
+                f.result()
+        assert conversation.in_flight == 0
+        ask(client)
+    requests = stub.chat_requests()
+    assert all(r.headers[CID] == "par" for r in requests)
+    assert len({r.headers[TID] for r in requests}) == 6
+    paused = [r for r in requests[1:5] if PMS in r.headers]
+    assert len(paused) == 1  # the first of the parallel burst took the pause; the rest ran on
+    assert PMS in requests[5].headers  # after the burst: paused since the last reply
+
+
+def test_plain_server_headers_are_harmless_and_heartbeats_fall_silent(
+    plain_server: StubGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain_server.lease_seconds = 0.1
+    client = make_client(plain_server, default_lease_seconds=0.1)
+    caplog.set_level(logging.INFO, logger="kvturn.client")
+    with client.conversation():
+        reply = ask(client, tools=TOOLS)
+        time.sleep(0.3)
+        client.chat.completions.create(model="m", messages=tool_result(reply), tools=TOOLS)
+        time.sleep(0.3)
+    posts = [r for r in plain_server.requests if "kvturn" in r.path]
+    assert len(posts) == 1  # one refused heartbeat, then silence, and no release attempt
+    assert client._kvturn.control_available is False
+    assert any("no kvturn control API" in r.message for r in caplog.records)
+
+
+def test_heartbeat_failures_are_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    # Nothing listens there: every control call fails with a connection error.
+    client = OpenAI(
+        base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0, default_lease_seconds=0.1
+    )
+    caplog.set_level(logging.WARNING, logger="kvturn.client")
+    with client.conversation() as conversation:
+        # Pretend a turn happened: begin/finish without the network.
+        from openai._models import FinalRequestOptions
+
+        options = FinalRequestOptions.construct(method="post", url="/chat/completions")
+        _, turn = client._kvturn_begin(options)
+        assert turn is not None
+        client._kvturn_finish(turn, tool_calls=True)
+        time.sleep(0.25)
+    assert conversation.released
+    assert any("heartbeat" in r.message for r in caplog.records)
+    assert any("release" in r.message for r in caplog.records)
+    client.close()
+    assert not client._kvturn.worker.running  # type: ignore[union-attr]
+
+
+def test_one_heartbeat_thread_per_client(stub: StubGateway) -> None:
+    stub.lease_seconds = 0.1
+    client = make_client(stub)
+    before = set(threading.enumerate())
+    scopes = [client.conversation() for _ in range(3)]
+    for scope in scopes:
+        scope.__enter__()
+        ask(client)
+    time.sleep(0.12)
+    for scope in reversed(scopes):
+        scope.__exit__(None, None, None)
+    assert {b.conversation_id for b in stub.heartbeats} == {s.id for s in scopes}
+    new_threads = set(threading.enumerate()) - before
+    assert new_threads == {client._kvturn.worker._thread}  # type: ignore[union-attr]
+    client.close()
+    assert not client._kvturn.worker.running  # type: ignore[union-attr]
+
+
+def test_an_injected_clock_makes_pauses_exact(stub: StubGateway) -> None:
+    now = [1000.0]
+    client = make_client(stub, clock=lambda: now[0], heartbeats=False)
+    with client.conversation() as conversation:
+        ask(client, tools=TOOLS)
+        now[0] += 1.5
+        ask(client)
+        now[0] += 0.0125
+        ask(client)
+    assert [r.headers.get(PMS) for r in stub.chat_requests()] == [None, "1500", "12"]
+    assert [t.pause for t in conversation.turns] == [
+        None,
+        Pause(ms=1500, kind="tool"),
+        Pause(ms=12, kind="user"),
+    ]
