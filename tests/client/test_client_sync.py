@@ -357,11 +357,11 @@ def test_an_injected_clock_makes_pauses_exact(stub: StubGateway) -> None:
         ask(client, tools=TOOLS)
         now[0] += 1.5
         ask(client)
-        now[0] += 0.0125
+        now[0] += 0.25
         ask(client)
-    assert [r.headers.get(PMS) for r in stub.chat_requests()] == [None, "1500", "12"]
+    assert [r.headers.get(PMS) for r in stub.chat_requests()] == [None, "1500", "250"]
     assert [t.pause for t in conversation.turns] == [
         None,
         Pause(ms=1500, kind="tool"),
-        Pause(ms=12, kind="user"),
+        Pause(ms=250, kind="user"),
     ]

@@ -1,0 +1,170 @@
+"""kvturn.client.AsyncOpenAI against the stand-in gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from kvturn_stub_gateway import StubGateway
+from kvturn_test_helpers import TOOLS, USER, tool_result
+
+from kvturn import headers as h
+from kvturn.client import AsyncOpenAI, current_conversation
+
+CID = h.CONVERSATION_ID.lower()
+TID = h.TURN_ID.lower()
+PMS = h.PAUSE_MS.lower()
+PKIND = h.PAUSE_KIND.lower()
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def make_client() -> AsyncIterator[object]:
+    opened: list[AsyncOpenAI] = []
+
+    def make(stub: StubGateway, **kwargs: object) -> AsyncOpenAI:
+        client = AsyncOpenAI(base_url=stub.url, api_key="test", **kwargs)  # type: ignore[arg-type]
+        opened.append(client)
+        return client
+
+    yield make
+    for client in opened:
+        await client.close()
+
+
+async def ask(client: AsyncOpenAI, **kwargs: object) -> object:
+    return await client.chat.completions.create(model="m", messages=USER, **kwargs)  # type: ignore[call-overload]
+
+
+async def test_headers_arrive(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
+    client = make_client(stub)
+    async with client.conversation("a-conv") as conversation:
+        assert current_conversation() is conversation
+        await ask(client)
+        await ask(client)
+    assert current_conversation() is None
+    first, second = stub.chat_requests()
+    assert first.headers[CID] == second.headers[CID] == "a-conv"
+    assert first.headers["x-stainless-async"].startswith("async")
+    assert first.headers[TID] != second.headers[TID]
+    assert PMS not in first.headers and second.headers[PKIND] == "user"
+
+
+@pytest.mark.parametrize("status", ["500", "429"])
+async def test_turn_id_survives_a_retried_request(stub: StubGateway, make_client, status: str) -> None:  # type: ignore[no-untyped-def]
+    client = make_client(stub)
+    async with client.conversation():
+        stream = await ask(client, stream=True, extra_headers={"X-Stub-Fail-First": status})
+        async for _ in stream:  # type: ignore[attr-defined]
+            pass
+    failed, retried = stub.chat_requests()
+    assert failed.headers["x-stainless-retry-count"] == "0"
+    assert retried.headers["x-stainless-retry-count"] == "1"
+    assert failed.headers[TID] == retried.headers[TID]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_pause_is_measured_within_20ms_of_an_injected_sleep(
+    stub: StubGateway,
+    make_client,  # type: ignore[no-untyped-def]
+    stream: bool,
+) -> None:
+    client = make_client(stub)
+    async with client.conversation():
+        for pause_s in (0.25, 0.1, 0.0):
+            reply = await ask(client, stream=stream)
+            if stream:
+                async for _ in reply:  # type: ignore[attr-defined]
+                    pass
+            await asyncio.sleep(pause_s)
+    pauses = [int(r.headers[PMS]) for r in stub.chat_requests()[1:]]
+    assert abs(pauses[0] - 250) <= 20, pauses
+    assert abs(pauses[1] - 100) <= 20, pauses
+
+
+async def test_a_closed_stream_ends_the_reply(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
+    client = make_client(stub)
+    async with client.conversation() as conversation:
+        stream = await ask(client, stream=True, extra_headers={"X-Stub-Chunk-Delay-Ms": "20"})
+        async with stream:  # type: ignore[attr-defined]
+            await stream.__anext__()  # type: ignore[attr-defined]
+            assert conversation.in_flight == 1
+        assert conversation.in_flight == 0
+
+
+async def test_tool_pause_and_heartbeats_long_vs_short(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
+    stub.lease_seconds = 0.2
+    client = make_client(stub)
+    async with client.conversation("a-beats") as conversation:
+        reply = await ask(client, tools=TOOLS)
+        await asyncio.sleep(0.05)
+        assert stub.heartbeats == []
+        await client.chat.completions.create(model="m", messages=tool_result(reply), tools=TOOLS)
+        await ask(client, tools=TOOLS)
+        await asyncio.sleep(0.45)
+        beats = list(stub.heartbeats)
+        await ask(client)
+        await asyncio.sleep(0.05)
+        assert len(stub.heartbeats) == len(beats)
+    assert 3 <= len(beats) <= 5, beats
+    assert {b.body["pause_kind"] for b in beats} == {"tool"}
+    assert [t.pause.kind for t in conversation.turns[1:]] == ["tool", "user", "tool"]  # type: ignore[union-attr]
+    assert stub.releases == ["a-beats"]
+
+
+async def test_one_heartbeat_task_per_client(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
+    stub.lease_seconds = 0.1
+    client = make_client(stub)
+
+    async def converse(cid: str) -> None:
+        async with client.conversation(cid):
+            await ask(client)
+            await asyncio.sleep(0.15)
+
+    before = asyncio.all_tasks()
+    await asyncio.gather(converse("t1"), converse("t2"), converse("t3"))
+    assert {b.conversation_id for b in stub.heartbeats} == {"t1", "t2", "t3"}
+    workers = [t for t in asyncio.all_tasks() - before if "HeartbeatTask._run" in repr(t)]
+    assert len(workers) == 1
+    assert sorted(stub.releases) == ["t1", "t2", "t3"]
+
+
+async def test_parallel_requests_in_one_conversation(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
+    client = make_client(stub)
+    async with client.conversation() as conversation:
+        await ask(client)
+        await asyncio.gather(
+            *(ask(client, extra_headers={"X-Stub-Delay-Ms": "30"}) for _ in range(3))
+        )
+        assert conversation.in_flight == 0
+    burst = stub.chat_requests()[1:]
+    assert len({r.headers[TID] for r in burst}) == 3
+    assert sum(PMS in r.headers for r in burst) == 1
+
+
+async def test_with_options_keeps_kvturn(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
+    client = make_client(stub, max_pause_seconds=7.0)
+    derived = client.with_options(timeout=3.0)
+    assert isinstance(derived, AsyncOpenAI)
+    assert derived.kvturn_settings.max_pause_seconds == 7.0
+    async with client.conversation("opts"):
+        await derived.chat.completions.create(model="m", messages=USER)
+    assert stub.chat_requests()[0].headers[CID] == "opts"
+
+
+async def test_plain_server_falls_silent(
+    plain_server: StubGateway,
+    make_client,  # type: ignore[no-untyped-def]
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = make_client(plain_server, default_lease_seconds=0.1)
+    caplog.set_level(logging.INFO, logger="kvturn.client")
+    async with client.conversation():
+        await ask(client, tools=TOOLS)
+        await asyncio.sleep(0.3)
+        await ask(client)
+        await asyncio.sleep(0.2)
+    assert len([r for r in plain_server.requests if "kvturn" in r.path]) == 1
+    assert len(plain_server.chat_requests()) == 2
