@@ -7,7 +7,7 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
-	$(PY) -m kvturn.gateway.cli demo
+	$(PY) examples/demo.py
 
 lint: setup
 	$(PY) -m ruff check .

@@ -17,14 +17,16 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
-def local_pair(model: str = "tiny", base_port: int = 28100, kv_ttl: int = 480) -> Iterator[dict]:
-    """Run ``kvturn up`` for the duration of the block; yields its state (URLs, pids)."""
+def local_pair(
+    model: str = "tiny", base_port: int = 28100, kv_ttl: int = 480, gateway_port: int = 28000
+) -> Iterator[dict]:
+    """Run ``kvturn up`` (engines + gateway) for the block; yields its state (URLs, pids)."""
     work = Path(tempfile.mkdtemp(prefix="kvturn-bench-"))
     state_file = work / "state.json"
     log = open(work / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", model,
-         "--base-port", str(base_port), "--kv-ttl", str(kv_ttl),
+         "--base-port", str(base_port), "--kv-ttl", str(kv_ttl), "--port", str(gateway_port),
          "--log-dir", str(work / "logs"), "--state-file", str(state_file)],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip

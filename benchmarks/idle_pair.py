@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _pair import cpu_share, local_pair  # noqa: E402
+from _pair import cpu_share, local_pair
 
 RESULTS = Path(__file__).parent / "results" / "idle_pair.md"
 PD_PARAMS = {

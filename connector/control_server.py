@@ -82,7 +82,7 @@ def _make_handler(store: RetainedStore) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             logger.debug("control: " + format, *args)
 
     return Handler

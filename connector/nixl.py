@@ -43,9 +43,9 @@ from kvturn.kv_params import (
 )
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 

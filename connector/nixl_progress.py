@@ -2,7 +2,7 @@
 
 NIXL's Python API (``nixl_agent.__init__``) hard-codes ``pthrDelay = 0`` for the agent's progress
 thread, so every agent busy-polls one core. On a small CPU machine a prefill and a decode engine
-then starve each other (an 8k prefill took 16–44 s instead of ~2 s here). Turning the progress
+then starve each other (an 8k prefill took 16 to 44 s instead of ~2 s here). Turning the progress
 thread off hangs transfers, so instead we raise its delay: the binding's config class is replaced
 by a subclass that never lets ``pthrDelay`` drop below a floor.
 
@@ -32,16 +32,16 @@ def raise_progress_thread_delay(delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> bo
     patched = False
     for name in _BACKENDS:
         try:
-            bindings = importlib.import_module(f"{name}._bindings")
+            bindings: Any = importlib.import_module(f"{name}._bindings")
         except ImportError:
             continue
         original = getattr(bindings, "_kvturn_original_config", None) or bindings.nixlAgentConfig
         floor = int(delay_us)
 
         class _DelayedProgressConfig(original):  # type: ignore[misc, valid-type]
-            def __setattr__(self, key: str, value: Any) -> None:
+            def __setattr__(self, key: str, value: Any, _floor: int = floor) -> None:
                 if key == "pthrDelay":
-                    value = max(int(value), floor)
+                    value = max(int(value), _floor)
                 super().__setattr__(key, value)
 
         bindings._kvturn_original_config = original

@@ -7,13 +7,12 @@ and the store is bounded, so a forgotten conversation never grows memory.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
-
-import re
 
 # vLLM appends "-<8 hex>" to every request id, and prefixes chat ids with "chatcmpl-" and
 # completion ids with "cmpl-". The gateway knows only the X-Request-Id it sent.

@@ -205,7 +205,9 @@ def _validate(body: dict[str, Any], input_field: str, gateway: Gateway) -> None:
         raise ModelNotFound(f"the model {model!r} does not exist", param="model")
     if input_field not in body:
         raise InvalidRequest(f"missing required parameter: {input_field!r}", param=input_field)
-    if input_field == "messages" and (not isinstance(body["messages"], list) or not body["messages"]):
+    if input_field == "messages" and (
+        not isinstance(body["messages"], list) or not body["messages"]
+    ):
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
 
 
@@ -247,4 +249,6 @@ def _record_pause(gateway: Gateway, request: Request) -> None:
 
 
 def _error(error: GatewayError) -> Response:
-    return Response(orjson.dumps(error.body()), status_code=error.status, media_type="application/json")
+    return Response(
+        orjson.dumps(error.body()), status_code=error.status, media_type="application/json"
+    )

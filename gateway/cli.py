@@ -18,7 +18,9 @@ from kvturn.gateway.local_models import MODEL_NAMES, ensure_model, kvturn_home
 
 def _resolve_model(name_or_path: str) -> tuple[Path, str]:
     if name_or_path in MODEL_NAMES:
-        print(f"kvturn: preparing local model {name_or_path!r} (built once, then cached)", flush=True)
+        print(
+            f"kvturn: preparing local model {name_or_path!r} (built once, then cached)", flush=True
+        )
         return ensure_model(name_or_path), name_or_path
     path = Path(name_or_path)
     if not (path / "config.json").exists():
@@ -78,8 +80,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 reuse_threshold_tokens=args.recompute_threshold,
             )
             gateway = GatewayThread(config, port=args.port).start()
-        state = {
+        state: dict[str, object] = {
             "model": served_name,
+            "model_path": str(model),
             "gateway": f"{gateway.url}/v1" if gateway else None,
             "prefill": [e.spec.url for e in deployment.prefill],
             "decode": [e.spec.url for e in deployment.decode],
@@ -89,9 +92,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "pids": [e.pid for e in deployment.engines],
             "launcher_pid": os.getpid(),
         }
-        for role in ("prefill", "decode"):
-            for url in state[role]:
-                print(f"kvturn: {role:8s} {url}", flush=True)
+        for engine in deployment.engines:
+            print(f"kvturn: {engine.spec.role:8s} {engine.spec.url}", flush=True)
         if args.state_file:
             tmp = Path(args.state_file + ".tmp")
             tmp.write_text(json.dumps(state, indent=2))
@@ -147,7 +149,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     for name in args.names or MODEL_NAMES:
         if name not in MODEL_NAMES:
-            raise SystemExit(f"kvturn: unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+            raise SystemExit(
+                f"kvturn: unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}"
+            )
         print(f"{name}: {ensure_model(name)}")
     return 0
 

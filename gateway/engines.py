@@ -184,10 +184,8 @@ class EngineProcess:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         # The group may hold children even after the leader exited.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -329,9 +327,12 @@ def plan_specs(
     conversation continue on its holder decode.
     """
     kv = kv or KVSettings()
+    spec_kwargs.setdefault("max_model_len", min(20480, _max_positions(model)))
+    spec_kwargs.setdefault("enable_tools", _has_hermes_tool_tokens(model))
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     specs = []
-    roles: list[Role] = ["prefill"] * num_prefill + ["decode"] * num_decode
+    roles: list[Role] = ["prefill"] * num_prefill
+    roles += ["decode"] * num_decode
     for i, role in enumerate(roles):
         specs.append(
             EngineSpec(
@@ -350,6 +351,25 @@ def plan_specs(
     return specs
 
 
+def _max_positions(model: Path) -> int:
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return 20480
+    return int(config.get("max_position_embeddings") or 20480)
+
+
+def _has_hermes_tool_tokens(model: Path) -> bool:
+    """vLLM's hermes tool-call parser needs ``<tool_call>`` as a token of its own."""
+    try:
+        tokenizer = json.loads((model / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return False
+    added = {t.get("content") for t in tokenizer.get("added_tokens", [])}
+    vocab = tokenizer.get("model", {}).get("vocab", {})
+    return all(t in added or t in vocab for t in ("<tool_call>", "</tool_call>"))
+
+
 def start_engines(
     specs: Sequence[EngineSpec],
     log_dir: Path,
@@ -363,7 +383,9 @@ def start_engines(
         for spec in specs:
             started.append(EngineProcess(spec, log_dir / f"{spec.name}.log").start())
             if progress:
-                print(f"  started {spec.name} (pid {started[-1].pid}, log {log_dir}/{spec.name}.log)")
+                print(
+                    f"  started {spec.name} (pid {started[-1].pid}, log {log_dir}/{spec.name}.log)"
+                )
         wait_until_healthy(started, timeout_s=timeout_s, progress=progress)
     except BaseException:
         for engine in started:
@@ -376,7 +398,9 @@ def start_engines(
 
 
 @contextlib.contextmanager
-def running_engines(specs: Sequence[EngineSpec], log_dir: Path, **kwargs: object) -> Iterator[Deployment]:
+def running_engines(
+    specs: Sequence[EngineSpec], log_dir: Path, **kwargs: object
+) -> Iterator[Deployment]:
     deployment = start_engines(specs, log_dir, **kwargs)  # type: ignore[arg-type]
     try:
         yield deployment

@@ -221,8 +221,20 @@ def build_smollm2(target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
     )
+    from safetensors.torch import save_file
+
     tokenizer.chat_template = chat_template()
-    model.save_pretrained(str(target), safe_serialization=True)
+    # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained, though
+    # the weights it holds are already dequantized: write config and tensors ourselves.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    config.save_pretrained(str(target))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # shared with the embeddings
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(target))
 
 

@@ -14,7 +14,10 @@ class GatewayMetrics:
         r = self.registry
         self.turns = Counter("kvturn_turns", "Turns served, by plan", ["plan"], registry=r)
         self.fallbacks = Counter(
-            "kvturn_reuse_fallbacks", "Turns that could not reuse, by reason", ["reason"], registry=r
+            "kvturn_reuse_fallbacks",
+            "Turns that could not reuse, by reason",
+            ["reason"],
+            registry=r,
         )
         self.reused_tokens = Counter(
             "kvturn_reused_tokens", "Prompt tokens whose KV was pulled, not recomputed", registry=r

@@ -54,7 +54,9 @@ class Pool:
         return best
 
 
-async def check_health_forever(pools: Sequence[Pool], upstream: Upstream, interval_s: float) -> None:
+async def check_health_forever(
+    pools: Sequence[Pool], upstream: Upstream, interval_s: float
+) -> None:
     """Poll every instance's ``/health``; drop the silent ones, re-admit those that answer."""
     while True:
         instances = [i for pool in pools for i in pool.instances]

@@ -11,7 +11,9 @@ from kvturn.gateway.app import create_app
 from kvturn.gateway.config import GatewayConfig
 
 
-def uvicorn_config(config: GatewayConfig, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+def uvicorn_config(
+    config: GatewayConfig, host: str, port: int, log_level: str = "warning"
+) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(config),
         host=host,

@@ -8,6 +8,7 @@ updates the conversation table. Routing lives in :mod:`.pools`, the decision in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -86,13 +87,13 @@ class TurnRunner:
         self._background: set[asyncio.Task[None]] = set()
 
     async def run(self, turn: Turn) -> Response:
-        conversation = self.store.get_or_create(turn.conversation_id) if turn.conversation_id else None
+        conversation = (
+            self.store.get_or_create(turn.conversation_id) if turn.conversation_id else None
+        )
         if conversation is not None and conversation.settling is not None:
             # The previous turn's KV location is still being recorded: wait briefly for it.
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(conversation.settling.wait(), self.config.publish_wait_s)
-            except TimeoutError:
-                pass
         prefilled = await self._prefill(turn, conversation)
         if isinstance(prefilled, Response):
             return prefilled
@@ -217,7 +218,9 @@ class TurnRunner:
         plan = prefilled.plan
         self.metrics.turns.labels(plan.plan).inc()
         self.metrics.reused_tokens.inc(prefilled.reused_tokens)
-        self.metrics.recomputed_tokens.inc(max(0, prefilled.prompt_tokens - prefilled.reused_tokens))
+        self.metrics.recomputed_tokens.inc(
+            max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
+        )
         response_headers = {
             h.PLAN: plan.plan,
             h.REUSED_TOKENS: str(prefilled.reused_tokens),
@@ -244,7 +247,9 @@ class TurnRunner:
             data = response.json()
             data.pop("kv_transfer_params", None)
             self._settle_later(conversation, instance, request_id)
-            return Response(orjson.dumps(data), media_type="application/json", headers=response_headers)
+            return Response(
+                orjson.dumps(data), media_type="application/json", headers=response_headers
+            )
 
         instance.in_flight += 1
         try:
@@ -267,7 +272,9 @@ class TurnRunner:
                 async for chunk in iter_chunks(upstream):
                     if first:
                         first = False
-                        self.metrics.ttft.labels(plan.plan).observe(time.perf_counter() - turn.started)
+                        self.metrics.ttft.labels(plan.plan).observe(
+                            time.perf_counter() - turn.started
+                        )
                     yield chunk
                 completed = True
             finally:
@@ -284,7 +291,9 @@ class TurnRunner:
         """Record where the conversation's KV now lives, off the response path."""
         if conversation is None:
             return
-        task = asyncio.get_running_loop().create_task(self._settle(conversation, holder, request_id))
+        task = asyncio.get_running_loop().create_task(
+            self._settle(conversation, holder, request_id)
+        )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -298,7 +307,9 @@ class TurnRunner:
                 wait_ms = int(self.config.publish_wait_s * 1000)
                 url = f"{holder.control_url}/kvturn/retained/{request_id}?wait_ms={wait_ms}"
                 try:
-                    response = await self.upstream.get(url, timeout_s=self.config.publish_wait_s + 2)
+                    response = await self.upstream.get(
+                        url, timeout_s=self.config.publish_wait_s + 2
+                    )
                     if response.status == 200:
                         retained = response.json()
                 except UpstreamUnavailable:

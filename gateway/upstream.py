@@ -38,7 +38,10 @@ class Upstream:
             total=self._request_timeout_s, sock_connect=self._connect_timeout_s
         )
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
         )
 
     async def close(self) -> None:

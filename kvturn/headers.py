@@ -28,8 +28,9 @@ _CONVERSATION_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def is_valid_conversation_id(value: str) -> bool:
-    """Whether ``value`` is an acceptable conversation id (1–128 of ``A-Z a-z 0-9 . _ : -``)."""
+    """Whether ``value`` is an acceptable conversation id (1 to 128 of ``A-Z a-z 0-9 . _ : -``)."""
     return bool(_CONVERSATION_ID_RE.match(value))
+
 
 #: Seconds a conversation's lease lasts without a turn or heartbeat (gateway → client, on every
 #: response of a conversation). The client's first heartbeat of a pause comes at about half this.

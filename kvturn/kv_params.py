@@ -34,7 +34,11 @@ def prefix_digests(token_ids: Sequence[int], chunk: int = DIGEST_CHUNK_TOKENS) -
     previous = b""
     for start in range(0, len(token_ids) - chunk + 1, chunk):
         h = hashlib.blake2b(previous, digest_size=12)
-        h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids[start : start + chunk]))
+        h.update(
+            b"".join(
+                int(t).to_bytes(4, "little", signed=False) for t in token_ids[start : start + chunk]
+            )
+        )
         previous = h.digest()
         digests.append(previous.hex())
     return digests

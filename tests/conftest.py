@@ -20,6 +20,7 @@ import pytest
 
 #: Engine ports for tests start here, away from ``kvturn up``'s default 8100.
 TEST_BASE_PORT = int(os.environ.get("KVTURN_TEST_BASE_PORT", "18100"))
+TEST_GATEWAY_PORT = TEST_BASE_PORT - 100
 #: Decode retention in the test engines: long enough for any test, short enough that blocks
 #: leaked by a failing test do not stay pinned for long.
 TEST_KV_TTL_S = 120
@@ -45,6 +46,11 @@ class LocalPair:
     @property
     def decode_control_url(self) -> str:
         return str(self.state["decode_control"][0])  # type: ignore[index]
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway ``kvturn up`` started, as an OpenAI base URL (``…/v1``)."""
+        return str(self.state["gateway"])
 
     @property
     def model(self) -> str:
@@ -74,6 +80,7 @@ def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
         "--kv-ttl", str(TEST_KV_TTL_S),
         "--log-dir", str(work / "logs"),
         "--state-file", str(state_file),
+        "--port", str(TEST_GATEWAY_PORT),
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -30,7 +30,9 @@ def chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) 
     return response.json()
 
 
-def single_engine_ids(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
+def single_engine_ids(
+    url: str, model: str, messages: list[dict[str, Any]], max_tokens: int
+) -> list[int]:
     """Greedy output token ids of one engine alone; a fresh cache salt rules out cached KV."""
     body = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,

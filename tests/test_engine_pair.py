@@ -50,7 +50,8 @@ def test_decode_after_transfer_equals_single_engine(local_pair: LocalPair) -> No
     )  # fmt: skip
     expected = single_engine_ids(local_pair.prefill_url, local_pair.model, messages, 32)
     got = list(decode["choices"][0]["token_ids"])
-    first_diff = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    pairs = enumerate(zip(got, expected, strict=False))
+    first_diff = next((i for i, (a, b) in pairs if a != b), None)
     assert got == expected, f"first divergence at token {first_diff}"
 
     # Decode pulled the prompt's KV over NIXL rather than computing it.

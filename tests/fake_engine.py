@@ -1,0 +1,103 @@
+"""A fast stand-in for a vLLM engine speaking the P/D protocol: for narrow gateway tests and
+the gateway-overhead benchmark only. It never proves reuse works (the engine tests do that).
+
+One raw ASGI app plays both roles: with ``do_remote_decode`` in the request it answers like a
+prefill (``kv_transfer_params`` for decode); otherwise like a decode (a short reply, streamed or
+not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn connector.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+Scope = dict[str, Any]
+
+_RETAINED: dict[str, dict[str, Any]] = {}
+_PROMPT_TOKENS = 1000
+
+
+async def _read(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send_json(
+    send: Any, status: int, body: Any, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+def _completion(request_id: str, stream_chunk: bool = False) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": 0, "model": "fake",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": _PROMPT_TOKENS, "completion_tokens": 2,
+                  "total_tokens": _PROMPT_TOKENS + 2,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
+    }  # fmt: skip
+
+
+async def app(scope: Scope, receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    path = scope["path"]
+    if path == "/health":
+        await _send_json(send, 200, {})
+        return
+    if path == "/v1/models":
+        await _send_json(send, 200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        return
+    if path.startswith("/kvturn/retained/"):
+        found = _RETAINED.get(path.rsplit("/", 1)[1])
+        await _send_json(send, 200 if found else 404, found or {"error": "none"})
+        return
+    body = json.loads(await _read(receive))
+    params = body.get("kv_transfer_params") or {}
+    if params.get("do_remote_decode"):
+        reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8
+        answer = _completion("prefill")
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
+        answer["kv_transfer_params"] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+            "remote_engine_id": "fake-p", "remote_request_id": "p", "remote_host": "localhost",
+            "remote_port": 1, "remote_num_tokens": _PROMPT_TOKENS, "tp_size": 1,
+        }  # fmt: skip
+        await _send_json(send, 200, answer)
+        return
+    request_id = dict(scope["headers"]).get(b"x-request-id", b"none").decode()
+    _RETAINED[request_id] = {
+        "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
+        "remote_request_id": request_id, "remote_host": "localhost", "remote_port": 2,
+        "remote_num_tokens": _PROMPT_TOKENS + 1, "expires_in_s": 300.0,
+    }  # fmt: skip
+    if len(_RETAINED) > 10_000:
+        _RETAINED.pop(next(iter(_RETAINED)))
+    if not body.get("stream"):
+        await _send_json(send, 200, _completion(request_id))
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+    for piece, finish in (("o", None), ("k", "stop")):
+        chunk = {"id": request_id, "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                 "choices": [{"index": 0, "delta": {"content": piece},
+                              "finish_reason": finish}]}  # fmt: skip
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                    "more_body": True})  # fmt: skip
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})

@@ -1,0 +1,90 @@
+"""Helpers for driving the gateway with the official openai client in tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+
+from kvturn.gateway.config import GatewayConfig
+from kvturn.gateway.server import GatewayThread
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_gateway(config: GatewayConfig) -> Iterator[GatewayThread]:
+    """A gateway with ``config`` on a free loopback port, for one test."""
+    gateway = GatewayThread(config, port=free_port()).start()
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+@dataclass
+class TurnResult:
+    text: str
+    plan: str | None
+    reused_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    tool_calls: list[Any]
+    finish_reason: str | None
+
+
+def run_turn(
+    client: openai.OpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    conversation_id: str | None = None,
+    stream: bool = True,
+    max_tokens: int = 16,
+    **extra: Any,
+) -> TurnResult:
+    """One greedy turn through the gateway; returns the reply and what the gateway did."""
+    headers = {"X-Conversation-Id": conversation_id} if conversation_id else None
+    kwargs: dict[str, Any] = {
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "extra_headers": headers, **extra,
+    }  # fmt: skip
+    if stream:
+        kwargs["stream_options"] = {"include_usage": True}
+    raw = client.chat.completions.with_raw_response.create(stream=stream, **kwargs)
+    plan = raw.headers.get("x-kvturn-plan")
+    reused = int(raw.headers.get("x-kvturn-reused-tokens", "0"))
+    if not stream:
+        completion = raw.parse()
+        choice = completion.choices[0]
+        return TurnResult(
+            choice.message.content or "", plan, reused, completion.usage.prompt_tokens,
+            completion.usage.completion_tokens, list(choice.message.tool_calls or []),
+            choice.finish_reason,
+        )  # fmt: skip
+    text, finish, usage = "", None, None
+    for chunk in raw.parse():
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert usage is not None, "stream carried no usage chunk"
+    return TurnResult(text, plan, reused, usage.prompt_tokens, usage.completion_tokens, [], finish)
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of every sample of a Prometheus metric served at ``url``."""
+    total = 0.0
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -1,0 +1,125 @@
+"""Gateway HTTP behaviour against a fake engine (routing, errors, control API, headers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from kvturn import control
+from kvturn.gateway.config import GatewayConfig, endpoints
+from tests import fake_engine
+from tests.gateway_fixtures import free_port, running_gateway
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_engine.app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+@pytest.fixture
+def gateway(fake_url: str) -> Iterator[str]:
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as running:
+        yield running.url
+
+
+def _chat(url: str, stream: bool = False, **headers: str) -> httpx.Response:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers)
+
+
+def test_conversation_turns_reuse_and_say_so(gateway: str) -> None:
+    first = _chat(gateway, **{"X-Conversation-Id": "c1"})
+    assert first.status_code == 200
+    assert first.headers["x-kvturn-plan"] == "recompute"
+    assert first.headers["x-kvturn-lease-seconds"] == "60"
+    assert "kv_transfer_params" not in first.json()
+    second = _chat(gateway, stream=True, **{"X-Conversation-Id": "c1"})
+    assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    assert int(second.headers["x-kvturn-reused-tokens"]) > 0
+    assert second.text.endswith("data: [DONE]\n\n")
+    metrics = httpx.get(gateway + "/metrics").text
+    assert 'kvturn_turns_total{plan="pull-reuse"} 1.0' in metrics
+
+
+def test_conversation_id_from_body_or_prompt_cache_key(gateway: str) -> None:
+    for field in ("conversation_id", "prompt_cache_key"):
+        body = {
+            "model": "fake",
+            "messages": [{"role": "user", "content": "hi"}],
+            field: f"k-{field}",
+        }
+        for _ in range(2):
+            response = httpx.post(gateway + "/v1/chat/completions", json=body)
+        assert response.headers["x-kvturn-plan"] == "pull-reuse", field
+        assert response.headers["x-conversation-id"] == f"k-{field}"
+
+
+def test_heartbeat_and_release(gateway: str) -> None:
+    unknown = httpx.post(gateway + "/v1" + control.heartbeat_path("nobody"), json={})
+    assert control.HeartbeatResponse.model_validate_json(unknown.content).known is False
+    _chat(gateway, **{"X-Conversation-Id": "c2"})
+    beat = httpx.post(
+        gateway + "/v1" + control.heartbeat_path("c2"), json={"pause_kind": "tool", "paused_ms": 5}
+    )
+    answer = control.HeartbeatResponse.model_validate_json(beat.content)
+    assert answer.known and 0 < answer.lease_remaining_s <= 60
+    released = httpx.delete(gateway + "/v1" + control.release_path("c2"))
+    assert control.ReleaseResponse.model_validate_json(released.content).released is True
+    again = httpx.delete(gateway + "/v1" + control.release_path("c2"))
+    assert control.ReleaseResponse.model_validate_json(again.content).released is False
+    assert _chat(gateway, **{"X-Conversation-Id": "c2"}).headers["x-kvturn-plan"] == "recompute"
+    bad = httpx.post(gateway + "/v1" + control.heartbeat_path("c2"), json={"pause_kind": "nap"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        (b"[1, 2]", 400, None),
+        (
+            b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "model_not_found",
+        ),
+        (b'{"model": "fake"}', 400, None),
+    ],
+)
+def test_errors_are_openai_shaped(
+    gateway: str, content: bytes, status: int, code: str | None
+) -> None:
+    response = httpx.post(gateway + "/v1/chat/completions", content=content)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert response.json()["error"]["code"] == code
+
+
+def test_invalid_conversation_ids_are_rejected(gateway: str) -> None:
+    for bad in ("", "x" * 129, "a b", "ü"):
+        response = (
+            _chat(gateway, **{"X-Conversation-Id": bad})
+            if bad.isascii()
+            else httpx.post(
+                gateway + "/v1/chat/completions",
+                json={
+                    "model": "fake",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "conversation_id": bad,
+                },
+            )
+        )
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == "conversation_id"
