@@ -51,7 +51,9 @@ REFUSAL_STATUSES = frozenset({404, 405, 410, 501})
 #: up to this many; the oldest idle ones are forgotten beyond it.
 MAX_IDLE_CONVERSATIONS = 10_000
 
-_KVTURN_HEADERS_LOWER = frozenset(h.lower() for h in (CONVERSATION_ID, TURN_ID, PAUSE_MS, PAUSE_KIND))
+_KVTURN_HEADERS_LOWER = frozenset(
+    h.lower() for h in (CONVERSATION_ID, TURN_ID, PAUSE_MS, PAUSE_KIND)
+)
 
 
 class Worker(Protocol):
@@ -103,28 +105,45 @@ class KvturnCore:
         return conversation
 
     def leave(self, conversation: Conversation, *, release: bool) -> bool:
-        """Close a scope; True when the caller should now tell the gateway to release."""
+        """Close a scope; True when the caller should now tell the gateway to release.
+
+        Without ``release`` the conversation goes on beyond the scope (the next user message
+        will come in a new scope): it stays open, its pause clock runs and its beats continue
+        up to the maximum pause, until a releasing scope or ``release_conversation``.
+        """
         with self._lock:
             conversation._scopes = max(0, conversation._scopes - 1)
-            if conversation._scopes:
+            if conversation._scopes or conversation.released:
                 return False
-            self.schedule.stop(conversation.id)
             if not release:
-                # Keep its pause clock for the next scope of the same id; move it to the end
-                # so eviction takes the longest-idle first.
+                # Move it to the end so eviction takes the longest-idle first.
                 self.conversations.pop(conversation.id, None)
                 self.conversations[conversation.id] = conversation
                 self._evict_idle()
                 return False
-            self.conversations.pop(conversation.id, None)
-            conversation.released = True
-            return conversation.turn_count > 0 and self.control_available
+        return self.forget(conversation.id) is not None and self._worth_releasing(conversation)
+
+    def forget(self, conversation_id: str) -> Conversation | None:
+        """Drop a conversation (released): no more beats, no more state."""
+        with self._lock:
+            self.schedule.stop(conversation_id)
+            conversation = self.conversations.pop(conversation_id, None)
+            if conversation is not None:
+                conversation.released = True
+            return conversation
+
+    def _worth_releasing(self, conversation: Conversation | None) -> bool:
+        # A conversation that never sent a turn holds nothing at the gateway.
+        if not self.control_available:
+            return False
+        return conversation is None or conversation.turn_count > 0
 
     def _evict_idle(self) -> None:
         excess = len(self.conversations) - MAX_IDLE_CONVERSATIONS
         if excess <= 0:
             return
         for key in [k for k, c in self.conversations.items() if not c._scopes][:excess]:
+            self.schedule.stop(key)
             del self.conversations[key]
 
     # -- pauses and heartbeats ------------------------------------------------------------
@@ -133,7 +152,7 @@ class KvturnCore:
         """Nothing of ``conversation`` is in flight any more: plan its beats."""
         if not (self.settings.heartbeats and self.control_available) or self.closed:
             return
-        if not conversation._scopes or conversation.released:
+        if conversation.released:
             return
         started = self.schedule.start(
             conversation.id, paused_at=paused_at, lease_seconds=conversation.lease_seconds
@@ -144,7 +163,7 @@ class KvturnCore:
     def heartbeat_body(self, entry: ScheduledBeat) -> tuple[Conversation, HeartbeatRequest] | None:
         """What to send for a due beat, or ``None`` if the pause is over or beats are off."""
         conversation = self.conversations.get(entry.conversation_id)
-        if conversation is None or not self.control_available or not conversation._scopes:
+        if conversation is None or conversation.released or not self.control_available:
             return None
         pause = conversation.current_pause()
         if pause is None:
@@ -206,7 +225,7 @@ class BaseKvturnClient:
         return self._kvturn.settings
 
     @property
-    def conversations(self) -> Mapping[str, Conversation]:
+    def kvturn_conversations(self) -> Mapping[str, Conversation]:
         """Conversations open or kept (left without release), by id. Read-only view."""
         return self._kvturn.conversations
 
@@ -267,7 +286,9 @@ class BaseKvturnClient:
         if paused_at is not None:
             conversation._core.pause_started(conversation, paused_at)
 
-    def _kvturn_observe(self, request_headers: Mapping[str, str], headers: Mapping[str, str]) -> None:
+    def _kvturn_observe(
+        self, request_headers: Mapping[str, str], headers: Mapping[str, str]
+    ) -> None:
         """Read what the gateway says about a turn from an attempt's response headers."""
         turn_id = request_headers.get(TURN_ID)
         if turn_id is None:

@@ -8,16 +8,16 @@ it when the reply ends, swapping in stream classes that notice exhaustion or clo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from contextvars import Token
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import httpx2
 import openai
 from openai._models import FinalRequestOptions
 from openai._types import RequestOptions
-from typing_extensions import Self
 
 from kvturn.control import HeartbeatRequest, heartbeat_path, release_path
 
@@ -59,6 +59,13 @@ def _control_options(core: KvturnCore) -> RequestOptions:
     # Control calls are best effort and must never hold the agent up: no SDK retries (the next
     # beat is the retry), a short timeout.
     return {"max_retries": 0, "timeout": core.settings.control_timeout_seconds}
+
+
+def _reset(token: Token[Conversation | None]) -> None:
+    # Exited in another context than entered (a generator closed by someone else): the
+    # entering context ends with it anyway.
+    with contextlib.suppress(ValueError):
+        _current.reset(token)
 
 
 def _owner_of(conversation: Conversation) -> Any:
@@ -115,12 +122,22 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
     ) -> ConversationScope:
         """A scope whose requests belong to conversation ``id`` (a new uuid4 when ``None``).
 
-        Use as ``with client.conversation() as conversation: ...``. Leaving the scope stops its
-        heartbeats and, when ``release`` (default: the client's ``release_on_exit``), tells the
-        gateway to drop the conversation's KV. Re-entering an id left without release resumes
-        its pause clock, so the next request reports the whole user pause.
+        Use as ``with client.conversation() as conversation: ...``. Leaving the scope with
+        ``release`` (default: the client's ``release_on_exit``) stops its heartbeats and tells
+        the gateway to drop the conversation's KV. Leaving without it keeps the conversation
+        open: heartbeats go on through the pause (up to ``max_pause_seconds``), and a later
+        scope with the same id resumes its pause clock, so its first request reports the
+        whole user pause. :meth:`release_conversation` ends such a conversation.
         """
         return ConversationScope(self, id, release)
+
+    def release_conversation(self, conversation_id: str) -> None:
+        """End a conversation left open (``release=False``): stop its heartbeats, forget its
+        state and tell the gateway to free its KV. Failures are logged, never raised."""
+        core = self._kvturn
+        conversation = core.forget(conversation_id)
+        if core._worth_releasing(conversation):
+            self._kvturn_release(conversation_id)
 
     def copy(self, **kwargs: Any) -> Self:
         """``openai.OpenAI.copy`` that keeps the kvturn options, conversations and worker."""
@@ -192,19 +209,19 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
             return entry.interval
         return core.heartbeat_answered(entry, response.content)
 
-    def _kvturn_release(self, conversation: Conversation) -> None:
+    def _kvturn_release(self, conversation_id: str) -> None:
         core = self._kvturn
         try:
             self.delete(
-                release_path(conversation.id),
+                release_path(conversation_id),
                 cast_to=httpx2.Response,
                 options=_control_options(core),
             )
         except openai.APIStatusError as exc:
-            core.control_failed("release", conversation.id, exc.status_code)
+            core.control_failed("release", conversation_id, exc.status_code)
         except Exception as exc:
             log.debug("kvturn: release error: %r", exc)
-            core.control_failed("release", conversation.id, None)
+            core.control_failed("release", conversation_id, None)
 
 
 def _sync_beat(core: KvturnCore) -> Any:
@@ -281,6 +298,14 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         """
         return AsyncConversationScope(self, id, release)
 
+    async def release_conversation(self, conversation_id: str) -> None:
+        """End a conversation left open (``release=False``): stop its heartbeats, forget its
+        state and tell the gateway to free its KV. Failures are logged, never raised."""
+        core = self._kvturn
+        conversation = core.forget(conversation_id)
+        if core._worth_releasing(conversation):
+            await self._kvturn_release(conversation_id)
+
     def copy(self, **kwargs: Any) -> Self:
         """``openai.AsyncOpenAI.copy`` that keeps the kvturn options, conversations and worker."""
         extra = {**kwargs.pop("_extra_kwargs", {}), "_kvturn_core": self._kvturn}
@@ -351,19 +376,19 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
             return entry.interval
         return core.heartbeat_answered(entry, response.content)
 
-    async def _kvturn_release(self, conversation: Conversation) -> None:
+    async def _kvturn_release(self, conversation_id: str) -> None:
         core = self._kvturn
         try:
             await self.delete(
-                release_path(conversation.id),
+                release_path(conversation_id),
                 cast_to=httpx2.Response,
                 options=_control_options(core),
             )
         except openai.APIStatusError as exc:
-            core.control_failed("release", conversation.id, exc.status_code)
+            core.control_failed("release", conversation_id, exc.status_code)
         except Exception as exc:
             log.debug("kvturn: release error: %r", exc)
-            core.control_failed("release", conversation.id, None)
+            core.control_failed("release", conversation_id, None)
 
 
 class ConversationScope:
@@ -393,9 +418,9 @@ class ConversationScope:
         if conversation is None or token is None:
             return
         self._conversation = self._token = None
-        _current.reset(token)
+        _reset(token)
         if self._client._kvturn.leave(conversation, release=self._release):
-            self._client._kvturn_release(conversation)
+            self._client._kvturn_release(conversation.id)
 
 
 class AsyncConversationScope:
@@ -427,8 +452,6 @@ class AsyncConversationScope:
         if conversation is None or token is None:
             return
         self._conversation = self._token = None
-        _current.reset(token)
+        _reset(token)
         if self._client._kvturn.leave(conversation, release=self._release):
-            await self._client._kvturn_release(conversation)
-
-
+            await self._client._kvturn_release(conversation.id)

@@ -10,6 +10,7 @@ beating that conversation for the rest of the pause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import math
@@ -236,10 +237,8 @@ class HeartbeatTask:
             return
         task.cancel()
         if self._loop is asyncio.get_running_loop():
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
 
     async def run_due(self) -> None:
         """Send every beat due now, concurrently, and plan the next ones."""
@@ -269,9 +268,7 @@ class HeartbeatTask:
                 continue
             delay = deadline - self._clock()
             if delay > 0:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), delay)
-                except TimeoutError:
-                    pass
                 continue
             await self.run_due()

@@ -70,7 +70,7 @@ class PauseTracker:
             return now if self._in_flight == 0 else None
 
     def note_tool_started(self) -> None:
-        """An adapter saw a tool start: the current pause is a tool pause whatever the reply said."""
+        """An adapter saw a tool start: this pause is a tool pause whatever the reply said."""
         with self._lock:
             self._tool_pending = True
 

@@ -8,11 +8,10 @@ parsed later) the pause starts when the reply really ends, not when its headers 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast, get_origin
 
 from openai import AsyncStream, Stream
 from openai._streaming import extract_stream_chunk_type
-from typing_extensions import get_origin
 
 from kvturn.headers import TURN_ID
 

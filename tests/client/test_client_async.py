@@ -53,7 +53,9 @@ async def test_headers_arrive(stub: StubGateway, make_client) -> None:  # type: 
 
 
 @pytest.mark.parametrize("status", ["500", "429"])
-async def test_turn_id_survives_a_retried_request(stub: StubGateway, make_client, status: str) -> None:  # type: ignore[no-untyped-def]
+async def test_turn_id_survives_a_retried_request(
+    stub: StubGateway, make_client, status: str
+) -> None:  # type: ignore[no-untyped-def]
     client = make_client(stub)
     async with client.conversation():
         stream = await ask(client, stream=True, extra_headers={"X-Stub-Fail-First": status})

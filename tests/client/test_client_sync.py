@@ -231,7 +231,7 @@ def test_release_reaches_the_gateway(stub: StubGateway) -> None:
         assert "to-release" in stub.held
     assert stub.releases == ["to-release"]
     assert "to-release" not in stub.held
-    assert "to-release" not in client.conversations
+    assert "to-release" not in client.kvturn_conversations
 
 
 def test_no_release_when_asked_not_to_and_the_pause_carries_over(stub: StubGateway) -> None:
@@ -365,3 +365,18 @@ def test_an_injected_clock_makes_pauses_exact(stub: StubGateway) -> None:
         Pause(ms=1500, kind="tool"),
         Pause(ms=250, kind="user"),
     ]
+
+
+def test_a_conversation_left_open_keeps_beating_until_released(stub: StubGateway) -> None:
+    stub.lease_seconds = 0.1
+    client = make_client(stub)
+    with client.conversation("open", release=False):
+        ask(client)
+    time.sleep(0.2)
+    beats = list(stub.heartbeats)
+    assert len(beats) >= 2 and {b.body["pause_kind"] for b in beats} == {"user"}
+    client.release_conversation("open")
+    assert stub.releases == ["open"] and "open" not in client.kvturn_conversations
+    count = len(stub.heartbeats)
+    time.sleep(0.15)
+    assert len(stub.heartbeats) == count

@@ -57,3 +57,15 @@ def test_importing_the_client_loads_no_server_code_or_adapters() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_kvturn_names_do_not_shadow_the_sdk() -> None:
+    import openai
+
+    added = {"conversation", "release_conversation", "kvturn_settings", "kvturn_conversations"}
+    for base in (openai.OpenAI, openai.AsyncOpenAI):
+        assert not added & set(dir(base))
+    client = kvturn.client.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")
+    # The SDK's own Conversations API resource is still there.
+    assert type(client.conversations).__name__ == "Conversations"
+    client.close()

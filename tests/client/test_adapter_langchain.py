@@ -1,0 +1,119 @@
+"""The LangChain/LangGraph adapter, through a real LangGraph tool loop.
+
+Takes ``base_url``: the stand-in gateway by default, the real one with KVTURN_TEST_BASE_URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_core.messages import ToolMessage
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+
+from kvturn.client import AsyncOpenAI, OpenAI, current_conversation
+from kvturn.client.adapters.langchain import (
+    KvturnChatOpenAI,
+    arelease_thread,
+    chat_openai,
+    release_thread,
+)
+
+SEEN: list[Any] = []
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Weather in a city."""
+    SEEN.append(current_conversation())
+    return f"sunny in {city}"
+
+
+@pytest.fixture
+def llm(base_url: str, model_name: str) -> Iterator[KvturnChatOpenAI]:
+    SEEN.clear()
+    client = OpenAI(base_url=base_url, api_key="test", max_retries=0)
+    async_client = AsyncOpenAI(base_url=base_url, api_key="test", max_retries=0)
+    yield chat_openai(client, async_client, model=model_name, temperature=0, max_tokens=16)
+    client.close()
+
+
+def build_graph(llm: KvturnChatOpenAI) -> Any:
+    # The tool is forced while the last message is the user's (a random-weight model must
+    # still call it); after a tool result the model answers without tools.
+    forced = llm.bind_tools([get_weather], tool_choice="get_weather")
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        last = state["messages"][-1]
+        model = llm if isinstance(last, ToolMessage) else forced
+        return {"messages": [model.invoke(state["messages"])]}
+
+    async def aagent(state: MessagesState) -> dict[str, Any]:
+        last = state["messages"][-1]
+        model = llm if isinstance(last, ToolMessage) else forced
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    from langchain_core.runnables import RunnableLambda
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", RunnableLambda(agent, afunc=aagent))
+    graph.add_node("tools", ToolNode([get_weather]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    return graph.compile(checkpointer=InMemorySaver())
+
+
+def test_two_turn_graph_run_reuses_kv_on_turn_2(llm: KvturnChatOpenAI) -> None:
+    graph = build_graph(llm)
+    config = {"configurable": {"thread_id": "thread-7"}}
+    graph.invoke({"messages": [("user", "Weather in Paris?")]}, config)
+
+    assert isinstance(llm.root_client, OpenAI)
+    conversation = llm.root_client.kvturn_conversations["thread-7"]
+    first, second = conversation.turns
+    assert SEEN == [None]  # tools run between model calls, outside any scope
+    assert first.tool_calls and first.plan == "recompute" and first.pause is None
+    assert second.pause is not None and second.pause.kind == "tool"
+    assert second.plan in ("decode-local", "pull-reuse")
+    assert (second.reused_tokens or 0) > 0
+
+    graph.invoke({"messages": [("user", "And in Rome?")]}, config)
+    third = conversation.turns[2]
+    assert third.pause is not None and third.pause.kind == "user"
+    assert third.plan in ("decode-local", "pull-reuse")
+
+    release_thread(llm, "thread-7")
+    assert "thread-7" not in llm.root_client.kvturn_conversations
+
+
+async def test_async_graph_run_reuses_kv_on_turn_2(llm: KvturnChatOpenAI) -> None:
+    graph = build_graph(llm)
+    config = {"configurable": {"thread_id": "thread:async/1"}}  # not header-safe: digested
+    await graph.ainvoke({"messages": [("user", "Weather in Paris?")]}, config)
+
+    assert isinstance(llm.root_async_client, AsyncOpenAI)
+    (conversation,) = llm.root_async_client.kvturn_conversations.values()
+    assert conversation.id.startswith("h-")
+    first, second = conversation.turns
+    assert first.tool_calls
+    assert second.pause is not None and second.pause.kind == "tool"
+    assert second.plan in ("decode-local", "pull-reuse")
+    await arelease_thread(llm, "thread:async/1")
+    assert not llm.root_async_client.kvturn_conversations
+    await llm.root_async_client.close()
+
+
+def test_streaming_calls_and_an_outer_conversation(llm: KvturnChatOpenAI) -> None:
+    assert isinstance(llm.root_client, OpenAI)
+    with llm.root_client.conversation("outer") as conversation:
+        chunks = list(llm.stream("hello", config={"configurable": {"thread_id": "ignored"}}))
+        llm.invoke("again")
+    assert chunks
+    assert conversation.turn_count == 2  # the outer conversation wins over the thread id
+    assert conversation.turns[1].pause is not None
+    assert "ignored" not in llm.root_client.kvturn_conversations

@@ -1,0 +1,131 @@
+"""The OpenAI Agents SDK adapter, through a real Agents SDK run.
+
+Takes ``base_url``: the stand-in gateway by default, the real one with KVTURN_TEST_BASE_URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+from agents import (
+    Agent,
+    ModelSettings,
+    RunConfig,
+    Runner,
+    SQLiteSession,
+    function_tool,
+    set_tracing_disabled,
+)
+
+from kvturn.client import AsyncOpenAI, Conversation, current_conversation
+from kvturn.client.adapters.openai_agents import (
+    KvturnRunHooks,
+    chat_completions_model,
+    conversation_for_run,
+    conversation_id_for_run,
+    run,
+)
+
+set_tracing_disabled(True)  # no trace export: nothing outside the test may be reached
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def client(base_url: str) -> AsyncIterator[AsyncOpenAI]:
+    client = AsyncOpenAI(base_url=base_url, api_key="test", max_retries=0)
+    yield client
+    await client.close()
+
+
+def weather_agent(client: AsyncOpenAI, model: str, seen: list[Conversation | None]) -> Agent:
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        seen.append(current_conversation())
+        return f"sunny in {city}"
+
+    return Agent(
+        name="weather",
+        instructions="Answer with the weather tool.",
+        tools=[get_weather],
+        # Forced on the first call so even a random-weight model calls the tool; the SDK
+        # resets tool_choice after a tool call, so the second call answers.
+        model_settings=ModelSettings(tool_choice="get_weather", temperature=0.0, max_tokens=16),
+        model=chat_completions_model(client, model),
+    )
+
+
+async def test_two_turn_run_reuses_kv_on_turn_2(client: AsyncOpenAI, model_name: str) -> None:
+    seen: list[Conversation | None] = []
+    session = SQLiteSession("user-42")
+    agent = weather_agent(client, model_name, seen)
+
+    result = await run(client, agent, "Weather in Paris?", session=session)
+    assert result.final_output
+    conversation = client.kvturn_conversations["user-42"]
+    first, second = conversation.turns
+    assert seen == [conversation]  # the tool ran inside the conversation
+    assert conversation.tools_running == 0  # start and end hooks both reached it
+    assert first.tool_calls and first.plan == "recompute"
+    assert second.pause is not None and second.pause.kind == "tool"
+    assert second.plan in ("decode-local", "pull-reuse")
+    assert (second.reused_tokens or 0) > 0
+
+    # The next user message: same session, same conversation, a user pause, KV still there.
+    await run(client, agent, "And in Rome?", session=session)
+    third = conversation.turns[2]
+    assert third.pause is not None and third.pause.kind == "user"
+    assert third.plan in ("decode-local", "pull-reuse")
+
+    await client.release_conversation("user-42")
+    assert "user-42" not in client.kvturn_conversations
+
+
+async def test_streamed_run_inside_its_conversation(client: AsyncOpenAI, model_name: str) -> None:
+    seen: list[Conversation | None] = []
+    agent = weather_agent(client, model_name, seen)
+    config = RunConfig(group_id="group 7/x", tracing_disabled=True)
+    async with conversation_for_run(client, run_config=config, release=True) as conversation:
+        streamed = Runner.run_streamed(
+            agent, "Weather in Oslo?", run_config=config, hooks=KvturnRunHooks()
+        )
+        async for _ in streamed.stream_events():
+            pass
+    assert conversation.id == conversation_id_for_run(run_config=config)
+    assert conversation.id.startswith("h-")  # "group 7/x" is not header-safe: digested
+    assert [t.pause.kind if t.pause else None for t in conversation.turns] == [None, "tool"]
+    assert conversation.turns[1].plan in ("decode-local", "pull-reuse")
+    assert seen == [conversation]
+    assert conversation.released
+
+
+def test_conversation_id_precedence() -> None:
+    session = SQLiteSession("sess-1")
+    config = RunConfig(group_id="grp-1")
+    assert conversation_id_for_run(conversation_id="conv_9", session=session) == "conv_9"
+    assert conversation_id_for_run(session=session, run_config=config) == "sess-1"
+    assert conversation_id_for_run(run_config=config) == "grp-1"
+    assert conversation_id_for_run() is None
+
+
+async def test_tool_hooks_mark_a_tool_pause_and_forward(client: AsyncOpenAI) -> None:
+    calls: list[str] = []
+
+    class Inner(KvturnRunHooks):
+        async def on_tool_start(self, context, agent, tool) -> None:  # type: ignore[no-untyped-def]
+            calls.append("start")
+
+        async def on_tool_end(self, context, agent, tool, result) -> None:  # type: ignore[no-untyped-def]
+            calls.append("end")
+
+    hooks = KvturnRunHooks(Inner())
+    async with client.conversation(release=False) as conversation:
+        conversation._pauses.begin_request()
+        conversation._pauses.end_reply(tool_calls=False)  # a reply that said nothing of tools
+        await hooks.on_tool_start(None, None, None)  # type: ignore[arg-type]
+        assert conversation.tools_running == 1
+        await hooks.on_tool_end(None, None, None, "ok")  # type: ignore[arg-type]
+        assert conversation.tools_running == 0
+        pause = conversation.current_pause()
+    assert pause is not None and pause.kind == "tool"
+    assert calls == ["start", "end"]
