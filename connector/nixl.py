@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # Under "vllm." so that the engine's own log configuration shows these lines.
@@ -154,6 +155,14 @@ class KvturnConnector(NixlConnector):
             ttl = float(self.connector_scheduler.decoder_kv_blocks_ttl)  # type: ignore[union-attr]
             self._retained.publish(request.request_id, dict(params), ttl_s=ttl)
         return delay_free, params
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        # Retained blocks are single-use: once a prefill has read them (or they expired) they
+        # are freed, so stop advertising them; the gateway then recomputes instead of sending
+        # a pull that decode would decline.
+        for request_id in connector_output.finished_sending or ():
+            self._retained.discard(request_id)
 
     def shutdown(self) -> None:
         if self._control is not None:

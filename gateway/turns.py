@@ -26,7 +26,7 @@ from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import TurnPlan, plan_turn
 from kvturn.gateway.pools import Instance, Pool
-from kvturn.gateway.upstream import Upstream, UpstreamUnavailable, iter_chunks
+from kvturn.gateway.upstream import Upstream, UpstreamResponse, UpstreamUnavailable, iter_chunks
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -124,10 +124,14 @@ class TurnRunner:
         plan = forced or self._plan(conversation)
         params = RECOMPUTE_PARAMS
         if plan.reuses and conversation is not None:
-            retained = await self._fetch_retained(conversation)
+            # Decode frees retained blocks after one read: claim them for this turn before any
+            # await, so a parallel turn of the same conversation recomputes instead of reading
+            # blocks that may already hold something else (prefill cannot tell).
+            holder_url, request_id = conversation.holder_url, conversation.holder_request_id
+            self.store.forget_kv(conversation)
+            retained = await self._fetch_retained(holder_url, request_id)
             if retained is None:
                 plan = TurnPlan("recompute", "kv-gone")
-                self.store.forget_kv(conversation)
             else:
                 params = retained
         if not plan.reuses:
@@ -136,9 +140,15 @@ class TurnRunner:
         body = _prefill_body(turn.body, params)
         attempts = 0
         tried: Instance | None = None
+        response: UpstreamResponse | None = None
         while True:
             attempts += 1
-            instance = self.prefill.choose(exclude=tried)
+            try:
+                instance = self.prefill.choose(exclude=tried)
+            except NoHealthyEngine:
+                if tried is None:
+                    raise
+                raise UpstreamError(f"prefill failed ({_status(response)})") from None
             instance.in_flight += 1
             started = time.perf_counter()
             try:
@@ -159,7 +169,8 @@ class TurnRunner:
                 params, plan = RECOMPUTE_PARAMS, TurnPlan("recompute", "pull-failed")
                 self.metrics.fallbacks.labels(plan.reason).inc()
                 body = _prefill_body(turn.body, params)
-            elif attempts >= 2 or len(self.prefill.healthy()) == 0:
+                continue  # same or another instance: a failed pull says nothing about its health
+            if attempts >= 3 or not self.prefill.healthy():
                 if response is None:
                     raise NoHealthyEngine("no prefill engine answered")
                 raise UpstreamError(f"prefill failed with HTTP {response.status}")
@@ -189,11 +200,14 @@ class TurnRunner:
             threshold_tokens=self.config.reuse_threshold_tokens,
         )
 
-    async def _fetch_retained(self, conversation: Conversation) -> dict[str, Any] | None:
-        holder = self.decode.get(conversation.holder_url)
-        if holder is None or holder.control_url is None or not conversation.holder_request_id:
+    async def _fetch_retained(
+        self, holder_url: str | None, request_id: str | None
+    ) -> dict[str, Any] | None:
+        """The retained-KV params the holder published, if still live (outside the margin)."""
+        holder = self.decode.get(holder_url)
+        if holder is None or holder.control_url is None or not request_id:
             return None
-        url = f"{holder.control_url}/kvturn/retained/{conversation.holder_request_id}"
+        url = f"{holder.control_url}/kvturn/retained/{request_id}"
         try:
             response = await self.upstream.get(url, timeout_s=2.0)
         except UpstreamUnavailable:

@@ -8,6 +8,7 @@ not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn co
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -69,6 +70,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await _send_json(send, 200 if found else 404, found or {"error": "none"})
         return
     body = json.loads(await _read(receive))
+    if body.get("fake_delay_ms"):  # lets a test hold requests in flight
+        await asyncio.sleep(body["fake_delay_ms"] / 1000)
     params = body.get("kv_transfer_params") or {}
     if params.get("do_remote_decode"):
         reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8

@@ -95,18 +95,24 @@ def test_decode_publishes_retained_kv_for_the_gateway(local_pair: LocalPair) -> 
 @pytest.mark.stops_engines
 def test_sigint_to_kvturn_up_stops_every_engine(local_pair: LocalPair) -> None:
     groups = {os.getpgid(pid) for pid in local_pair.engine_pids}
+    assert _live_processes_in(groups), "the engines should be running before the signal"
     local_pair.process.send_signal(signal.SIGINT)
     assert local_pair.process.wait(timeout=90) == 0
-    survivors = [
-        entry
-        for entry in os.listdir("/proc")
-        if entry.isdigit() and _process_group(int(entry)) in groups
-    ]
-    assert survivors == [], f"engine processes survived: {survivors}"
+    assert _live_processes_in(groups) == []
 
 
-def _process_group(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
+def _live_processes_in(groups: set[int]) -> list[str]:
+    """Processes of these process groups that are still running (zombies are dead: skipped)."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp in groups and state not in ("Z", "X"):
+            live.append(f"{entry} ({state})")
+    return live

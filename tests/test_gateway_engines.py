@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -269,3 +270,55 @@ def test_holder_decode_killed_between_turns_recomputes_elsewhere(
             assert second.text == run_turn(client, local_pair.model, messages).text
     finally:
         extra.stop()
+
+
+def test_failed_pull_is_retried_as_recompute(local_pair: LocalPair) -> None:
+    """The KV lapses between the lookup and the pull: prefill declines, the turn still works."""
+    with running_gateway(_pair_config(local_pair)) as gateway:
+        client = _client(gateway.url + "/v1")
+        runner = gateway.app.state.gateway.runner
+        messages = _opening("harbours", 600)
+        first = run_turn(client, local_pair.model, messages, "lapsing")
+        messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
+        real_lookup = runner._fetch_retained
+
+        async def lapsed_lookup(holder: str | None, rid: str | None) -> dict[str, Any] | None:
+            params = await real_lookup(holder, rid)
+            assert params is not None, "turn 1's KV should still be retained"
+            # Decode's deadline, on its perf_counter clock (the same machine, the same clock).
+            params["remote_blocks_expiry_time"] = time.perf_counter() - 1
+            return params
+
+        runner._fetch_retained = lapsed_lookup
+        second = run_turn(client, local_pair.model, messages, "lapsing")
+        assert second.plan == "recompute"
+        assert second.text == run_turn(client, local_pair.model, messages).text
+        failed = metric(
+            gateway.url + "/metrics", 'kvturn_reuse_fallbacks_total{reason="pull-failed"}'
+        )
+        assert failed == 1
+        # Prefill is not left stuck: it still serves promptly.
+        started = time.monotonic()
+        run_turn(client, local_pair.model, _opening("kelp", 300))
+        assert time.monotonic() - started < 30
+
+
+def test_retained_kv_is_single_use(local_pair: LocalPair) -> None:
+    """Once prefill has read a decode's retained blocks, decode frees them and stops
+    advertising them, and the gateway never hands the same blocks to two turns."""
+    with running_gateway(_pair_config(local_pair)) as gateway:
+        client = _client(gateway.url + "/v1")
+        store = gateway.app.state.gateway.store
+        messages = _opening("estuaries", 600)
+        first = run_turn(client, local_pair.model, messages, "once")
+        deadline = time.monotonic() + 5
+        while store.get("once").holder_request_id is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        consumed = store.get("once").holder_request_id
+        messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
+        assert run_turn(client, local_pair.model, messages, "once").plan == "pull-reuse"
+        url = f"{local_pair.decode_control_url}/kvturn/retained/{consumed}"
+        deadline = time.monotonic() + 5
+        while httpx.get(url).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(url).status_code == 404

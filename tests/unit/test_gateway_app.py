@@ -36,8 +36,10 @@ def gateway(fake_url: str) -> Iterator[str]:
         yield running.url
 
 
-def _chat(url: str, stream: bool = False, **headers: str) -> httpx.Response:
+def _chat(url: str, stream: bool = False, delay_ms: int = 0, **headers: str) -> httpx.Response:
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    if delay_ms:
+        body["fake_delay_ms"] = delay_ms
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers)
 
 
@@ -123,3 +125,20 @@ def test_invalid_conversation_ids_are_rejected(gateway: str) -> None:
         )
         assert response.status_code == 400, bad
         assert response.json()["error"]["param"] == "conversation_id"
+
+
+def test_parallel_turns_never_share_retained_kv(gateway: str) -> None:
+    """Retained blocks are single-use: of two simultaneous turns only one may pull them."""
+    import concurrent.futures
+
+    _chat(gateway, **{"X-Conversation-Id": "par"})
+    time.sleep(0.2)  # the first turn's KV location is recorded
+
+    def turn(_: int) -> str:
+        # Each engine call takes 300 ms, so both turns are in flight together.
+        response = _chat(gateway, delay_ms=300, **{"X-Conversation-Id": "par"})
+        return response.headers["x-kvturn-plan"]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        plans = sorted(pool.map(turn, range(2)))
+    assert plans == ["pull-reuse", "recompute"]
