@@ -4,6 +4,9 @@ the gateway-overhead benchmark only. It never proves reuse works (the engine tes
 One raw ASGI app plays both roles: with ``do_remote_decode`` in the request it answers like a
 prefill (``kv_transfer_params`` for decode); otherwise like a decode (a short reply, streamed or
 not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn connector.
+``/metrics`` answers like one vLLM engine (vllm-router reads it at start-up to count DP ranks);
+``/fake/counts`` says how many prefill and decode requests it served (to check a router's
+P/D routing); any other GET is a 404.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from typing import Any
 Scope = dict[str, Any]
 
 _RETAINED: dict[str, dict[str, Any]] = {}
+_COUNTS = {"prefill": 0, "decode": 0}
 _PROMPT_TOKENS = 1000
+_METRICS = "".join(
+    f'# TYPE vllm:{name} gauge\nvllm:{name}{{engine="0",model_name="fake"}} 0.0\n'
+    for name in ("num_requests_running", "num_requests_waiting")
+)
 
 
 async def _read(receive: Any) -> bytes:
@@ -65,15 +73,29 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if path == "/v1/models":
         await _send_json(send, 200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
         return
+    if path == "/metrics":  # Prometheus text, one engine (rank 0), as vLLM serves it
+        data = _METRICS.encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4"),
+                                (b"content-length", str(len(data)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": data})
+        return
+    if path == "/fake/counts":
+        await _send_json(send, 200, _COUNTS)
+        return
     if path.startswith("/kvturn/retained/"):
         found = _RETAINED.get(path.rsplit("/", 1)[1])
         await _send_json(send, 200 if found else 404, found or {"error": "none"})
+        return
+    if scope["method"] != "POST":
+        await _send_json(send, 404, {"error": "not found"})
         return
     body = json.loads(await _read(receive))
     if body.get("fake_delay_ms"):  # lets a test hold requests in flight
         await asyncio.sleep(body["fake_delay_ms"] / 1000)
     params = body.get("kv_transfer_params") or {}
     if params.get("do_remote_decode"):
+        _COUNTS["prefill"] += 1
         reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8
         answer = _completion("prefill")
         answer["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
@@ -84,6 +106,7 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         }  # fmt: skip
         await _send_json(send, 200, answer)
         return
+    _COUNTS["decode"] += 1
     request_id = dict(scope["headers"]).get(b"x-request-id", b"none").decode()
     _RETAINED[request_id] = {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
