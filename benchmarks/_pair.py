@@ -18,7 +18,11 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 @contextlib.contextmanager
 def local_pair(
-    model: str = "tiny", base_port: int = 28100, kv_ttl: int = 480, gateway_port: int = 28000
+    model: str = "tiny",
+    base_port: int = 28100,
+    kv_ttl: int = 480,
+    gateway_port: int = 28000,
+    kv_cache_gb: int = 4,
 ) -> Iterator[dict]:
     """Run ``kvturn up`` (engines + gateway) for the block; yields its state (URLs, pids)."""
     work = Path(tempfile.mkdtemp(prefix="kvturn-bench-"))
@@ -27,6 +31,7 @@ def local_pair(
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", model,
          "--base-port", str(base_port), "--kv-ttl", str(kv_ttl), "--port", str(gateway_port),
+         "--kv-cache-gb", str(kv_cache_gb),
          "--log-dir", str(work / "logs"), "--state-file", str(state_file)],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip

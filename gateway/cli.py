@@ -53,6 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         kv=kv,
         served_model_name=served_name,
         prefill_prefix_caching=args.prefill_prefix_cache,
+        kv_cache_gb=args.kv_cache_gb,
     )
     log_dir = Path(args.log_dir) if args.log_dir else kvturn_home() / "logs"
     # Signals turn into an exception so every path below reaches the cleanup.
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let prefill engines keep a prefix cache (off: measure what a busy pool sees)",
     )
+    up.add_argument("--kv-cache-gb", type=int, default=2, help="KV cache per engine, GiB")
     up.add_argument("--log-dir", default=None, help="engine logs (default $KVTURN_HOME/logs)")
     up.add_argument("--state-file", default=None, help="write URLs and pids here when ready")
     up.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait")

@@ -328,7 +328,6 @@ def plan_specs(
     """
     kv = kv or KVSettings()
     spec_kwargs.setdefault("max_model_len", min(20480, _max_positions(model)))
-    spec_kwargs.setdefault("enable_tools", _has_hermes_tool_tokens(model))
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     specs = []
     roles: list[Role] = ["prefill"] * num_prefill
@@ -357,17 +356,6 @@ def _max_positions(model: Path) -> int:
     except (OSError, ValueError):
         return 20480
     return int(config.get("max_position_embeddings") or 20480)
-
-
-def _has_hermes_tool_tokens(model: Path) -> bool:
-    """vLLM's hermes tool-call parser needs ``<tool_call>`` as a token of its own."""
-    try:
-        tokenizer = json.loads((model / "tokenizer.json").read_text())
-    except (OSError, ValueError):
-        return False
-    added = {t.get("content") for t in tokenizer.get("added_tokens", [])}
-    vocab = tokenizer.get("model", {}).get("vocab", {})
-    return all(t in added or t in vocab for t in ("<tool_call>", "</tool_call>"))
 
 
 def start_engines(

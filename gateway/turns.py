@@ -99,12 +99,13 @@ class TurnRunner:
             return prefilled
         try:
             return await self._decode(turn, conversation, prefilled)
-        except UpstreamUnavailable as error:
-            # The decode died before answering: serve the turn again from scratch elsewhere.
-            logger.warning("decode failed before replying (%s); recomputing elsewhere", error)
+        except DecodeFailed as failure:
+            # Decode died, or failed its pull from prefill, before replying: serve the turn
+            # again from scratch (on another decode if this one is gone).
+            logger.warning("decode failed before replying (%s); recomputing", failure)
             self.metrics.upstream_errors.labels("decode").inc()
-            failed = self.decode.get(_instance_url(error)) or None
-            if failed is not None:
+            failed = self.decode.get(failure.url)
+            if failed is not None and failure.unreachable:
                 failed.healthy = False
             retry = await self._prefill(turn, None, forced=TurnPlan("recompute", "decode-failed"))
             if isinstance(retry, Response):
@@ -251,9 +252,11 @@ class TurnRunner:
             try:
                 response = await self.upstream.post_json(url, body, upstream_headers)
             except UpstreamUnavailable as error:
-                raise UpstreamUnavailable(instance.url) from error
+                raise DecodeFailed(instance.url, unreachable=True) from error
             finally:
                 instance.in_flight -= 1
+            if response.status >= 500:
+                raise DecodeFailed(instance.url, unreachable=False)
             _mark_settling(conversation)
             if response.status != 200:
                 self._settle_later(conversation, None, request_id)
@@ -270,7 +273,11 @@ class TurnRunner:
             upstream = await self.upstream.open_stream(url, body, upstream_headers)
         except UpstreamUnavailable as error:
             instance.in_flight -= 1
-            raise UpstreamUnavailable(instance.url) from error
+            raise DecodeFailed(instance.url, unreachable=True) from error
+        if upstream.status >= 500:
+            upstream.release()
+            instance.in_flight -= 1
+            raise DecodeFailed(instance.url, unreachable=False)
         _mark_settling(conversation)
         if upstream.status != 200:
             payload = await upstream.read()
@@ -369,8 +376,13 @@ def _status(response: Any) -> str:
     return "unreachable" if response is None else f"HTTP {response.status}"
 
 
-def _instance_url(error: BaseException) -> str | None:
-    return str(error.args[0]) if error.args else None
+class DecodeFailed(Exception):
+    """Decode failed before sending a byte of its reply: the turn can still be retried."""
+
+    def __init__(self, url: str, *, unreachable: bool):
+        super().__init__(f"{url} {'unreachable' if unreachable else 'answered 5xx'}")
+        self.url = url
+        self.unreachable = unreachable
 
 
 __all__ = ["RECOMPUTE_PARAMS", "GatewayError", "Turn", "TurnRunner"]

