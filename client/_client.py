@@ -1,9 +1,10 @@
 """``OpenAI`` and ``AsyncOpenAI``: the official clients plus kvturn conversations.
 
-They hook the SDK at two points. ``request()`` wraps one logical request, retries included:
-it starts the turn (headers with a turn id every retry reuses, the pause before it) and ends
-it when the reply ends, swapping in stream classes that notice exhaustion or closing.
-``_send_request()`` sees each attempt's response headers (lease length, plan, reused tokens).
+They hook the SDK's documented extension points. ``request()`` wraps one logical request,
+retries included: it starts the turn (a turn id every retry reuses, the pause before it) and
+ends it when the reply ends, swapping in stream classes that notice exhaustion or closing.
+``_prepare_request()`` puts the turn's headers on each attempt's HTTP request, and
+``_send_request()`` reads each attempt's response headers (lease length, plan, reused tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from openai._types import RequestOptions
 
 from kvturn.control import HeartbeatRequest, heartbeat_path, release_path
 
-from ._base import BaseKvturnClient, KvturnCore
+from ._base import BaseKvturnClient, KvturnCore, sending_turn
 from ._clock import Clock, monotonic_clock
 from ._conversation import Conversation, _current
 from ._headers import new_conversation_id
@@ -165,26 +166,35 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
         stream: bool = False,
         stream_cls: Any = None,
     ) -> Any:
-        turn_options, turn = self._kvturn_begin(options)
+        turn = self._kvturn_begin(options)
         if turn is None:
             return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
         tracked = tracked_stream_cls(stream_cls, asynchronous=False) if stream else None
+        token = sending_turn.set(turn)
         try:
             result = super().request(
-                cast_to, turn_options, stream=stream, stream_cls=tracked or stream_cls
+                cast_to, options, stream=stream, stream_cls=tracked or stream_cls
             )
         except BaseException:
             self._kvturn_finish(turn, tool_calls=False)
             raise
+        finally:
+            sending_turn.reset(token)
         if tracked is None:
             self._kvturn_finish(turn, tool_calls=self._kvturn_result_asks_for_tools(result))
         return result
+
+    def _prepare_request(self, request: httpx2.Request) -> None:
+        super()._prepare_request(request)
+        self._kvturn_tag(request)
 
     def _send_request(
         self, request: httpx2.Request, *, stream: bool, **kwargs: Any
     ) -> httpx2.Response:
         response = super()._send_request(request, stream=stream, **kwargs)
-        self._kvturn_observe(request.headers, response.headers)
+        turn = sending_turn.get()
+        if turn is not None:
+            self._kvturn_observe(turn, response.headers)
         return response
 
     # -- control API --------------------------------------------------------------------------
@@ -332,26 +342,35 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         stream: bool = False,
         stream_cls: Any = None,
     ) -> Any:
-        turn_options, turn = self._kvturn_begin(options)
+        turn = self._kvturn_begin(options)
         if turn is None:
             return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
         tracked = tracked_stream_cls(stream_cls, asynchronous=True) if stream else None
+        token = sending_turn.set(turn)
         try:
             result = await super().request(
-                cast_to, turn_options, stream=stream, stream_cls=tracked or stream_cls
+                cast_to, options, stream=stream, stream_cls=tracked or stream_cls
             )
         except BaseException:
             self._kvturn_finish(turn, tool_calls=False)
             raise
+        finally:
+            sending_turn.reset(token)
         if tracked is None:
             self._kvturn_finish(turn, tool_calls=self._kvturn_result_asks_for_tools(result))
         return result
+
+    async def _prepare_request(self, request: httpx2.Request) -> None:
+        await super()._prepare_request(request)
+        self._kvturn_tag(request)
 
     async def _send_request(
         self, request: httpx2.Request, *, stream: bool, **kwargs: Any
     ) -> httpx2.Response:
         response = await super()._send_request(request, stream=stream, **kwargs)
-        self._kvturn_observe(request.headers, response.headers)
+        turn = sending_turn.get()
+        if turn is not None:
+            self._kvturn_observe(turn, response.headers)
         return response
 
     # -- control API --------------------------------------------------------------------------

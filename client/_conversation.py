@@ -37,6 +37,8 @@ class Turn:
     reused_tokens: int | None = None
     #: Whether the reply asked for tool calls (known once finished).
     tool_calls: bool = False
+    #: The headers every attempt of this turn carries.
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
     finished: bool = field(default=False, repr=False)
 
 

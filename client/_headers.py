@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import random
 import uuid
 
 from kvturn.headers import (
@@ -23,9 +25,16 @@ def new_conversation_id() -> str:
     return str(uuid.uuid4())
 
 
+# Turn ids need uniqueness, not secrecy: a seeded PRNG costs well under a microsecond, where
+# os.urandom is a system call (~10 us on some sandboxes). Reseeded in forked children so
+# processes never share a sequence.
+_turn_rng = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _turn_rng.seed(os.urandom(32)))
+
+
 def new_turn_id() -> str:
-    """A fresh turn id; 32 hex digits are plenty and cheaper to make than a formatted UUID."""
-    return uuid.uuid4().hex
+    """A fresh random turn id: 32 hex digits, opaque to the gateway."""
+    return f"{_turn_rng.getrandbits(128):032x}"
 
 
 def conversation_id_from(value: str) -> str:

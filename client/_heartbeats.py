@@ -55,8 +55,11 @@ class HeartbeatSchedule:
     def __contains__(self, conversation_id: object) -> bool:
         return conversation_id in self._entries
 
-    def start(self, conversation_id: str, *, paused_at: float, lease_seconds: float) -> bool:
-        """Plan beats for a pause that began at ``paused_at``; False if none would fit."""
+    def start(
+        self, conversation_id: str, *, paused_at: float, lease_seconds: float
+    ) -> float | None:
+        """Plan beats for a pause that began at ``paused_at``: when the first is due, or
+        ``None`` if none fits before the maximum pause."""
         interval = max(lease_seconds / 2, self._settings.min_heartbeat_interval_seconds)
         entry = ScheduledBeat(
             conversation_id=conversation_id,
@@ -69,9 +72,9 @@ class HeartbeatSchedule:
         with self._lock:
             if entry.next_at >= entry.stop_at:
                 self._entries.pop(conversation_id, None)
-                return False
+                return None
             self._entries[conversation_id] = entry
-            return True
+            return entry.next_at
 
     def stop(self, conversation_id: str) -> None:
         """No more beats for this conversation (a request started, or it was left)."""
@@ -135,15 +138,26 @@ class HeartbeatThread:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        # When the worker will look at the schedule next on its own (-inf while it is busy).
+        self._sleep_until = -math.inf
 
     @property
     def running(self) -> bool:
         """Whether the worker thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
-    def wake(self) -> None:
-        """The schedule changed: start the worker if needed and let it recompute its sleep."""
+    def wake(self, deadline: float | None = None) -> None:
+        """The schedule changed: start the worker if needed and let it recompute its sleep.
+
+        A ``deadline`` no earlier than the worker's own wake-up needs no nudge: in steady state
+        (a beat planned every request, 15 s out) the worker is not woken per request.
+        """
         if self._closed:
+            return
+        # Sleeping until no later than ``deadline`` (not busy: -inf), the worker will see the
+        # change by itself in time.
+        until = self._sleep_until
+        if deadline is not None and until != -math.inf and deadline >= until:
             return
         if not self.running:
             with self._start_lock:
@@ -174,15 +188,18 @@ class HeartbeatThread:
 
     def _run(self) -> None:
         while not self._closed:
-            # Clear before reading the schedule: a change after this point sets the event
-            # again and the wait below returns at once, so no wake-up is lost.
+            # Busy first, then clear, then read the schedule: a change after this point sets
+            # the event again and the wait below returns at once, so no wake-up is lost.
+            self._sleep_until = -math.inf
             self._wake.clear()
             deadline = self._schedule.next_deadline()
             if deadline is None:
+                self._sleep_until = math.inf
                 self._wake.wait()
                 continue
             delay = deadline - self._clock()
             if delay > 0:
+                self._sleep_until = deadline
                 self._wake.wait(delay)
                 continue
             self.run_due()
@@ -199,26 +216,39 @@ class HeartbeatTask:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
+        self._sleep_until = -math.inf
 
     @property
     def running(self) -> bool:
         """Whether the worker task is alive."""
         return self._task is not None and not self._task.done()
 
-    def wake(self) -> None:
-        """The schedule changed: start the worker on the running loop if needed, and nudge it."""
+    def wake(self, deadline: float | None = None) -> None:
+        """The schedule changed: start the worker on the running loop if needed, and nudge it
+        unless ``deadline`` is no earlier than its own wake-up."""
         if self._closed:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
+        # Sleeping (on this loop) until no later than ``deadline``, the worker will see the
+        # change by itself in time.
+        until = self._sleep_until
+        if (
+            deadline is not None
+            and until != -math.inf
+            and deadline >= until
+            and (loop is None or loop is self._loop)
+        ):
+            return
         if loop is not None and (not self.running or self._loop is not loop):
             if self._task is not None and self._loop is not loop and not self._task.done():
                 # The client moved to another loop (common across test cases); the old task
                 # dies with its loop, the schedule carries over.
                 self._task.cancel()
             self._loop = loop
+            self._sleep_until = -math.inf
             self._wake = asyncio.Event()
             # An empty context: the worker must not inherit the caller's current conversation.
             self._task = loop.create_task(self._run(), context=contextvars.Context())
@@ -261,13 +291,16 @@ class HeartbeatTask:
         wake = self._wake
         assert wake is not None
         while not self._closed:
+            self._sleep_until = -math.inf
             wake.clear()
             deadline = self._schedule.next_deadline()
             if deadline is None:
+                self._sleep_until = math.inf
                 await wake.wait()
                 continue
             delay = deadline - self._clock()
             if delay > 0:
+                self._sleep_until = deadline
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), delay)
                 continue

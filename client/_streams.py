@@ -36,8 +36,7 @@ class TrackedStream(Stream[_T]):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        owner = cast(_TurnOwner, self._client)
-        self._kvturn_turn = owner._kvturn_open_turn(self.response.request.headers.get(TURN_ID))
+        self._kvturn_turn = _find_turn(self)
         self._kvturn_tools = False
 
     def __stream__(self) -> Iterator[_T]:
@@ -70,8 +69,7 @@ class TrackedAsyncStream(AsyncStream[_T]):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        owner = cast(_TurnOwner, self._client)
-        self._kvturn_turn = owner._kvturn_open_turn(self.response.request.headers.get(TURN_ID))
+        self._kvturn_turn = _find_turn(self)
         self._kvturn_tools = False
 
     async def __stream__(self) -> AsyncIterator[_T]:
@@ -94,6 +92,14 @@ class TrackedAsyncStream(AsyncStream[_T]):
         turn, self._kvturn_turn = self._kvturn_turn, None
         if turn is not None:
             cast(_TurnOwner, self._client)._kvturn_finish(turn, tool_calls=self._kvturn_tools)
+
+
+def _find_turn(stream: Stream[Any] | AsyncStream[Any]) -> Turn | None:
+    owner = cast(_TurnOwner, stream._client)
+    turn = owner._kvturn_open_turn(None)
+    if turn is None:
+        turn = owner._kvturn_open_turn(stream.response.request.headers.get(TURN_ID))
+    return turn
 
 
 def tracked_stream_cls(stream_cls: Any, *, asynchronous: bool) -> Any | None:

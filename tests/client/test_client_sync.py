@@ -103,15 +103,20 @@ def test_pause_is_measured_within_20ms_of_an_injected_sleep(
     stub: StubGateway, stream: bool
 ) -> None:
     client = make_client(stub)
+    slept: list[float] = []
     with client.conversation():
         for pause_s in (0.25, 0.1, 0.0):
             reply = ask(client, stream=stream)
             if stream:
                 list(reply)  # type: ignore[call-overload]
+            # The sleep as it really happened: a loaded machine oversleeps.
+            start = time.monotonic()
             time.sleep(pause_s)
+            slept.append((time.monotonic() - start) * 1000)
     pauses = [int(r.headers[PMS]) for r in stub.chat_requests()[1:]]
-    assert abs(pauses[0] - 250) <= 20, pauses
-    assert abs(pauses[1] - 100) <= 20, pauses
+    assert abs(pauses[0] - slept[0]) <= 20, (pauses, slept)
+    assert abs(pauses[1] - slept[1]) <= 20, (pauses, slept)
+    assert pauses[0] >= 250 and pauses[1] >= 100
 
 
 def test_a_stream_pause_starts_when_the_stream_is_exhausted(stub: StubGateway) -> None:
@@ -198,11 +203,11 @@ def test_heartbeats_during_a_long_tool_pause_none_during_a_short_one(stub: StubG
         time.sleep(0.05)
         after_request = len(stub.heartbeats)
     assert short_pause_beats == 0
-    assert 3 <= len(long_pause_beats) <= 5, long_pause_beats
+    assert 2 <= len(long_pause_beats) <= 5, long_pause_beats
     assert all(b.conversation_id == "beats" for b in long_pause_beats)
     assert all(b.body["pause_kind"] == "tool" for b in long_pause_beats)
     first_ms = long_pause_beats[0].body["paused_ms"]
-    assert 80 <= first_ms <= 160, first_ms  # about half the lease
+    assert 90 <= first_ms <= 200, first_ms  # about half the lease
     assert after_request == len(long_pause_beats)  # the request stopped them
     assert conversation.turns[-1].pause == Pause(
         ms=conversation.turns[-1].pause.ms,  # type: ignore[union-attr]
@@ -280,7 +285,11 @@ def test_parallel_requests_in_one_conversation(stub: StubGateway) -> None:
                 for _ in range(3)
             ]
             # A thread without the context can name the open conversation by header.
-            futures.append(pool.submit(ask, client, extra_headers={"x-conversation-id": "par"}))
+            futures.append(
+                pool.submit(
+                    ask, client, extra_headers={"x-conversation-id": "par", "X-Stub-Delay-Ms": "50"}
+                )
+            )
             for f in futures:
                 f.result()
         assert conversation.in_flight == 0
@@ -321,7 +330,7 @@ def test_heartbeat_failures_are_logged_not_raised(caplog: pytest.LogCaptureFixtu
         from openai._models import FinalRequestOptions
 
         options = FinalRequestOptions.construct(method="post", url="/chat/completions")
-        _, turn = client._kvturn_begin(options)
+        turn = client._kvturn_begin(options)
         assert turn is not None
         client._kvturn_finish(turn, tool_calls=True)
         time.sleep(0.25)

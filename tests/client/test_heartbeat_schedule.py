@@ -18,7 +18,7 @@ class FakeClock:
 
 def test_first_beat_at_half_the_lease_then_periodic() -> None:
     schedule = HeartbeatSchedule(KvturnSettings(max_pause_seconds=100))
-    assert schedule.start("c", paused_at=10.0, lease_seconds=30.0)
+    assert schedule.start("c", paused_at=10.0, lease_seconds=30.0) == 25.0
     assert schedule.next_deadline() == 25.0
     assert schedule.take_due(24.9) == []
     (entry,) = schedule.take_due(25.0)
@@ -47,7 +47,7 @@ def test_a_pause_shorter_than_the_maximum_check_drops_overdue_plans() -> None:
 
 def test_no_plan_when_the_first_beat_would_come_after_the_maximum() -> None:
     schedule = HeartbeatSchedule(KvturnSettings(max_pause_seconds=5))
-    assert not schedule.start("c", paused_at=0.0, lease_seconds=30.0)
+    assert schedule.start("c", paused_at=0.0, lease_seconds=30.0) is None
     assert len(schedule) == 0
 
 
