@@ -61,6 +61,7 @@ _REUSED = REUSED_TOKENS.lower().encode()
 sending_turn: ContextVar[Turn | None] = ContextVar("kvturn_sending_turn", default=None)
 
 
+_CONVERSATION_ID_LOWER = CONVERSATION_ID.lower()
 _TURN_HEADER_KEYS = frozenset(
     name.lower().encode("ascii") for name in (CONVERSATION_ID, TURN_ID, PAUSE_MS, PAUSE_KIND)
 )
@@ -268,7 +269,7 @@ class BaseKvturnClient:
         # an open conversation with the header itself.
         if is_given(options.headers):
             for key, value in options.headers.items():
-                if key.lower() == "x-conversation-id" and isinstance(value, str):
+                if key.lower() == _CONVERSATION_ID_LOWER and isinstance(value, str):
                     return self._kvturn.conversations.get(value)
         return None
 
