@@ -102,13 +102,24 @@ def _find_turn(stream: Stream[Any] | AsyncStream[Any]) -> Turn | None:
     return turn
 
 
+# Tracked classes by the SDK's stream class, resolved once rather than per request. They stay
+# ``TrackedStream[X]`` aliases: the SDK reads the chunk type from the alias's direct base.
+_tracked_classes: dict[Any, Any] = {}
+
+
 def tracked_stream_cls(stream_cls: Any, *, asynchronous: bool) -> Any | None:
     """The tracked equivalent of ``Stream[X]``/``AsyncStream[X]``; ``None`` for custom classes,
     whose behaviour a swap would lose (their turn then ends when the request returns)."""
-    base = AsyncStream if asynchronous else Stream
-    tracked = TrackedAsyncStream if asynchronous else TrackedStream
     if stream_cls is None:
+        return None
+    tracked = _tracked_classes.get(stream_cls)
+    if tracked is not None:
         return tracked
+    base = AsyncStream if asynchronous else Stream
     if (get_origin(stream_cls) or stream_cls) is not base:
         return None
-    return tracked[extract_stream_chunk_type(stream_cls)]  # type: ignore[index]
+    chunk = extract_stream_chunk_type(stream_cls)
+    generic = TrackedAsyncStream if asynchronous else TrackedStream
+    tracked = generic[chunk]  # type: ignore[index]
+    _tracked_classes[stream_cls] = tracked
+    return tracked

@@ -1,5 +1,10 @@
 """Fixtures for kvturn.client tests: a stand-in gateway, and one base URL fixture for tests
-that can run against the real gateway (set ``KVTURN_TEST_BASE_URL`` to its ``.../v1``)."""
+that can run against the real gateway.
+
+``KVTURN_TEST_BASE_URL`` unset: the stand-in. ``KVTURN_TEST_BASE_URL=local-pair``: the gateway
+of the session's real 1P1D pair (the ``local_pair`` fixture, started on first use). Any other
+value: a running gateway's ``.../v1``.
+"""
 
 from __future__ import annotations
 
@@ -41,10 +46,15 @@ def plain_server(_plain_session: StubGateway) -> StubGateway:
     return _plain_session
 
 
+LOCAL_PAIR = "local-pair"
+
+
 @pytest.fixture
 def base_url(request: pytest.FixtureRequest) -> str:
     """Where adapter tests send traffic: the real gateway if configured, else the stand-in."""
     configured = os.environ.get("KVTURN_TEST_BASE_URL")
+    if configured == LOCAL_PAIR:
+        return str(request.getfixturevalue("local_pair").gateway_url).rstrip("/")
     if configured:
         return configured.rstrip("/")
     stub: StubGateway = request.getfixturevalue("stub")
@@ -56,5 +66,5 @@ def model_name(base_url: str) -> str:
     """The first model the server at ``base_url`` lists."""
     if not os.environ.get("KVTURN_TEST_BASE_URL"):
         return MODEL
-    answer = httpx.get(f"{base_url}/models", timeout=10).json()
+    answer = httpx.get(f"{base_url}/models", timeout=30).json()
     return str(answer["data"][0]["id"])
