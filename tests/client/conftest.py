@@ -62,6 +62,12 @@ def base_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def real_gateway() -> bool:
+    """Whether ``base_url`` is a real gateway (whose model may not call tools at all)."""
+    return bool(os.environ.get("KVTURN_TEST_BASE_URL"))
+
+
+@pytest.fixture
 def model_name(base_url: str) -> str:
     """The first model the server at ``base_url`` lists."""
     if not os.environ.get("KVTURN_TEST_BASE_URL"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 TOOLS: list[Any] = [
@@ -33,3 +34,17 @@ def tool_result(reply: Any) -> list[Any]:
             for call in message.tool_calls
         ),
     ]
+
+
+REUSE_PLANS = ("decode-local", "pull-reuse")
+
+
+def assert_reuse_and_pause_kinds(turns: Any) -> None:
+    """Turn 1 computes; turn 2 reuses the KV turn 1 left; every pause has the right kind."""
+    first, second = turns[0], turns[1]
+    assert first.plan == "recompute" and first.pause is None
+    assert second.plan in REUSE_PLANS, second
+    assert (second.reused_tokens or 0) > 0, second
+    for earlier, later in itertools.pairwise(turns):
+        assert later.pause is not None
+        assert later.pause.kind == ("tool" if earlier.tool_calls else "user"), (earlier, later)
