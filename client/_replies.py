@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
 __all__ = ["asks_for_tools"]
 
 # Responses API output items the *client* must execute; hosted tools (web search, file search,
@@ -29,6 +31,18 @@ _OUTPUT_ITEM_EVENTS = frozenset({"response.output_item.added", "response.output_
 
 def asks_for_tools(reply: Any) -> bool:
     """Whether ``reply`` (a completion, chunk, Responses object or stream event) calls tools."""
+    # Fast paths for the common shapes: a getattr() that misses on a pydantic model raises
+    # and catches an AttributeError, which costs more than the rest of the check (per chunk).
+    if type(reply) is ChatCompletionChunk:
+        for chunk_choice in reply.choices:
+            if chunk_choice.finish_reason == "tool_calls" or chunk_choice.delta.tool_calls:
+                return True
+        return False
+    if type(reply) is ChatCompletion:
+        for choice in reply.choices:
+            if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
+                return True
+        return False
     choices = getattr(reply, "choices", None)
     if choices:
         for choice in choices:
