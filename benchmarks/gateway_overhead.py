@@ -37,14 +37,15 @@ import httpx
 import orjson
 import uvloop
 
+from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.md"
 ROUTER_BIN = ROOT / ".venv-router" / "bin" / "vllm-router"
 GATEWAY_PORT, FAKE_PORT, ROUTER_PORT, ROUTER_METRICS_PORT = 29000, 29001, 29002, 29003
 LEVELS = (1, 32, 256)
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
-PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-           "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+PREFILL = PREFILL_FOR_REMOTE_DECODE
 PORTS = {"gateway": GATEWAY_PORT, "router": ROUTER_PORT}
 
 ROUTER_NOTES = """\

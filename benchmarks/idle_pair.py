@@ -16,14 +16,12 @@ from pathlib import Path
 
 import httpx
 
+from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PD_PARAMS
+
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import cpu_share, local_pair
 
 RESULTS = Path(__file__).parent / "results" / "idle_pair.md"
-PD_PARAMS = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}  # fmt: skip
 
 
 def prompt_of(tokens: int, salt: str) -> list[dict[str, str]]:

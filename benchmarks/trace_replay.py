@@ -41,14 +41,14 @@ from typing import Any
 import httpx
 import orjson
 
+from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
+
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import local_pair
 
 RESULTS = Path(__file__).parent / "results"
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # tiny model: layers x (K,V) x kv heads x dim x fp32
 BLOCK_TOKENS = 128  # vLLM CPU block size
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                  "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
 MODES = ("recompute", "upstream-bidirectional", "kvturn")
 
 

@@ -26,7 +26,7 @@ import log_agent
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help="smollm2 (real text) or tiny")
-    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
 

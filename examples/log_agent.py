@@ -26,6 +26,7 @@ SYSTEM = (
     "You are an on-call engineer. Read the incident log with the read_log tool, one section "
     "at a time, then write a short summary of what went wrong and what to do next."
 )
+FINAL_QUESTION = "Stop reading. In two sentences, what went wrong and what should we do next?"
 TOOLS = [
     {
         "type": "function",
@@ -34,7 +35,8 @@ TOOLS = [
             "description": "Read one section of the incident log.",
             "parameters": {
                 "type": "object",
-                "properties": {"section": {"type": "integer", "description": "section number"}},
+                # An enum keeps a small model's constrained call short and always valid JSON.
+                "properties": {"section": {"enum": list(range(1, 13)), "description": "section"}},
                 "required": ["section"],
             },
         },
@@ -48,7 +50,7 @@ _EVENTS = (
 )  # fmt: skip
 
 
-def read_log(section: int, lines: int = 28) -> str:
+def read_log(section: int, lines: int = 16) -> str:
     """A deterministic slice of a made-up incident log (the agent's tool)."""
     rng = random.Random(section)
     out = [f"== section {section} =="]
@@ -111,6 +113,8 @@ def run(base_url: str, model: str, turns: int, compare: bool = True) -> list[Tur
     with client.conversation() as conversation:
         for turn in range(1, turns + 1):
             final = turn == turns
+            if final:
+                messages.append({"role": "user", "content": FINAL_QUESTION})
             ttft, message, usage, headers = stream_turn(client, model, messages, final)
             without = stream_turn(plain, model, messages, final)[0] if compare else None
             reports.append(
@@ -157,7 +161,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default=None, help="default: the first model the server lists")
-    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--no-compare", action="store_true", help="skip the recompute replays")
     args = parser.parse_args()
     model = (

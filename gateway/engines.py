@@ -128,6 +128,10 @@ class EngineSpec:
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1",
+                # vLLM's AOT compile cache fails to load with torch 2.13 ("'function' object has
+                # no attribute 'finalize_loading'") and recompiles at every start; the older
+                # cache path loads.
+                "VLLM_USE_AOT_COMPILE": "0",
             }
         )
         return env

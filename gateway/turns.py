@@ -27,18 +27,12 @@ from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import TurnPlan, plan_turn
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.upstream import Upstream, UpstreamResponse, UpstreamUnavailable, iter_chunks
+from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
 
 logger = logging.getLogger("kvturn.gateway")
 
 #: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
-RECOMPUTE_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+RECOMPUTE_PARAMS = PREFILL_FOR_REMOTE_DECODE
 #: Sampling fields that only matter for the reply, dropped from the prefill request.
 _DECODE_ONLY_FIELDS = ("max_completion_tokens", "stream_options", "min_tokens", "n")
 

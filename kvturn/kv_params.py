@@ -19,6 +19,17 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 
+#: What a proxy sends to prefill for plain P/D: compute the prompt, keep its KV for decode to
+#: pull (vLLM's NixlConnector protocol). Copy it before changing it.
+PREFILL_FOR_REMOTE_DECODE: Final[dict[str, Any]] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
 #: Tokens covered by one prefix digest. Reuse is trimmed to a multiple of this.
 DIGEST_CHUNK_TOKENS: Final = 16
 PREFIX_DIGESTS_KEY: Final = "kvturn_prefix_digests"

@@ -7,15 +7,9 @@ from typing import Any
 
 import httpx
 
-#: What a proxy sends to prefill so that decode can pull the KV (vLLM's P/D protocol).
-PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
+
+__all__ = ["PREFILL_PARAMS", "chat", "long_prompt", "metric_total", "single_engine_ids"]
 
 
 def long_prompt(tokens: int, topic: str = "turtles") -> str:

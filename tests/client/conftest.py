@@ -50,27 +50,41 @@ LOCAL_PAIR = "local-pair"
 
 
 @pytest.fixture
-def base_url(request: pytest.FixtureRequest) -> str:
-    """Where adapter tests send traffic: the real gateway if configured, else the stand-in."""
+def gateway_kind(request: pytest.FixtureRequest) -> str:
+    """``stand-in``, ``engines`` (the session's real pair) or ``env`` (KVTURN_TEST_BASE_URL).
+
+    Modules parametrize it indirectly to run against both the stand-in and the real gateway.
+    """
+    explicit = getattr(request, "param", None)
+    if explicit is not None:
+        return str(explicit)
     configured = os.environ.get("KVTURN_TEST_BASE_URL")
     if configured == LOCAL_PAIR:
+        return "engines"
+    return "env" if configured else "stand-in"
+
+
+@pytest.fixture
+def base_url(request: pytest.FixtureRequest, gateway_kind: str) -> str:
+    """Where adapter tests send traffic: the stand-in, or a real gateway."""
+    if gateway_kind == "engines":
         return str(request.getfixturevalue("local_pair").gateway_url).rstrip("/")
-    if configured:
-        return configured.rstrip("/")
+    if gateway_kind == "env":
+        return os.environ["KVTURN_TEST_BASE_URL"].rstrip("/")
     stub: StubGateway = request.getfixturevalue("stub")
     return stub.url
 
 
 @pytest.fixture
-def real_gateway() -> bool:
+def real_gateway(gateway_kind: str) -> bool:
     """Whether ``base_url`` is a real gateway (whose model may not call tools at all)."""
-    return bool(os.environ.get("KVTURN_TEST_BASE_URL"))
+    return gateway_kind != "stand-in"
 
 
 @pytest.fixture
-def model_name(base_url: str) -> str:
+def model_name(base_url: str, real_gateway: bool) -> str:
     """The first model the server at ``base_url`` lists."""
-    if not os.environ.get("KVTURN_TEST_BASE_URL"):
+    if not real_gateway:
         return MODEL
     answer = httpx.get(f"{base_url}/models", timeout=30).json()
     return str(answer["data"][0]["id"])

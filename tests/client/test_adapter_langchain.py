@@ -26,6 +26,9 @@ from kvturn.client.adapters.langchain import (
 
 SEEN: list[Any] = []
 
+#: The stand-in, and the real gateway on the session's 1P1D engine pair.
+BOTH_GATEWAYS = ["stand-in", pytest.param("engines", marks=pytest.mark.engines)]
+
 
 @tool
 def get_weather(city: str) -> str:
@@ -69,6 +72,7 @@ def build_graph(llm: KvturnChatOpenAI) -> Any:
     return graph.compile(checkpointer=InMemorySaver())
 
 
+@pytest.mark.parametrize("gateway_kind", BOTH_GATEWAYS, indirect=True)
 def test_two_turn_graph_run_reuses_kv_on_turn_2(llm: KvturnChatOpenAI, real_gateway: bool) -> None:
     graph = build_graph(llm)
     config = {"configurable": {"thread_id": "thread-7"}}
@@ -88,6 +92,7 @@ def test_two_turn_graph_run_reuses_kv_on_turn_2(llm: KvturnChatOpenAI, real_gate
     assert "thread-7" not in llm.root_client.kvturn_conversations
 
 
+@pytest.mark.parametrize("gateway_kind", BOTH_GATEWAYS, indirect=True)
 async def test_async_graph_run_reuses_kv_on_turn_2(
     llm: KvturnChatOpenAI, real_gateway: bool
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import pytest
 import pytest_asyncio
 from agents import (
     Agent,
@@ -29,6 +30,9 @@ from kvturn.client.adapters.openai_agents import (
 )
 
 set_tracing_disabled(True)  # no trace export: nothing outside the test may be reached
+
+#: The stand-in, and the real gateway on the session's 1P1D engine pair.
+BOTH_GATEWAYS = ["stand-in", pytest.param("engines", marks=pytest.mark.engines)]
 
 
 @pytest_asyncio.fixture(loop_scope="function")
@@ -56,6 +60,7 @@ def weather_agent(client: AsyncOpenAI, model: str, seen: list[Conversation | Non
     )
 
 
+@pytest.mark.parametrize("gateway_kind", BOTH_GATEWAYS, indirect=True)
 async def test_two_turn_run_reuses_kv_on_turn_2(
     client: AsyncOpenAI, model_name: str, real_gateway: bool
 ) -> None:

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvturn.gateway.config import endpoints
+from kvturn.gateway.errors import NoHealthyEngine
+from kvturn.gateway.pools import Pool, check_health_forever
+
+
+def test_choose_least_loaded_and_prefer_the_holder_on_ties() -> None:
+    pool = Pool("decode", endpoints(["http://a", "http://b", "http://c"]))
+    a, b, c = pool.instances
+    a.in_flight, b.in_flight, c.in_flight = 2, 1, 1
+    assert pool.choose() is b
+    assert pool.choose(prefer="http://c") is c
+    assert pool.choose(prefer="http://a") is b  # the holder is busier: load wins
+    assert pool.choose(exclude=b) is c
+    b.healthy = c.healthy = False
+    assert pool.choose() is a
+    a.healthy = False
+    with pytest.raises(NoHealthyEngine):
+        pool.choose()
+
+
+class FlakyUpstream:
+    def __init__(self) -> None:
+        self.down: set[str] = {"http://b"}
+
+    async def is_healthy(self, url: str) -> bool:
+        return url not in self.down
+
+
+async def test_health_checks_drop_and_readmit() -> None:
+    pool = Pool("prefill", endpoints(["http://a", "http://b"]))
+    upstream = FlakyUpstream()
+    task = asyncio.create_task(check_health_forever([pool], upstream, 0.01))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    assert [i.healthy for i in pool.instances] == [True, False]
+    upstream.down = set()
+    await asyncio.sleep(0.05)
+    assert [i.healthy for i in pool.instances] == [True, True]
+    task.cancel()
