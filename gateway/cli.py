@@ -132,6 +132,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("kvturn: all engines stopped", flush=True)
 
 
+#: Gateway settings that ``kvturn serve`` takes as flags (each also has a KVTURN_* variable).
+_GATEWAY_TUNABLES: dict[str, tuple[type, str]] = {
+    "lease_s": (float, "conversation lease without turns or heartbeats, seconds"),
+    "expiry_margin_s": (float, "never reuse KV this close to its expiry, seconds"),
+    "reuse_threshold_tokens": (int, "reuse only when at least this many tokens are held"),
+    "max_conversations": (int, "conversations remembered at once (LRU beyond)"),
+    "max_body_bytes": (int, "largest request body accepted"),
+    "connect_timeout_s": (float, "engine connect timeout, seconds"),
+    "request_timeout_s": (float, "upper bound on one engine request, seconds"),
+    "health_interval_s": (float, "engine health-check period, seconds"),
+    "publish_wait_s": (float, "wait for decode to publish retained KV, seconds"),
+}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvturn.gateway.server import serve
 
@@ -140,8 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = GatewayConfig.from_env(
         prefill=endpoints(args.prefill),
         decode=endpoints(args.decode, args.decode_control),
-        lease_s=args.lease_s,
-        reuse_threshold_tokens=args.recompute_threshold,
+        **{name: getattr(args, name) for name in _GATEWAY_TUNABLES},
     )
     serve(config, host=args.host, port=args.port)
     return 0
@@ -191,8 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
-    srv.add_argument("--recompute-threshold", type=int, default=None, help="min tokens to pull")
+    for name, (kind, text) in _GATEWAY_TUNABLES.items():
+        flag = "--" + name.replace("_", "-")
+        srv.add_argument(
+            flag, dest=name, type=kind, default=None, help=f"{text} (env KVTURN_{name.upper()})"
+        )
     srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="build the local models (tiny, smollm2)")
