@@ -22,6 +22,29 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def running_fake_engine() -> Iterator[str]:
+    """tests/fake_engine.py on a free port (both roles); yields its base URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from tests import fake_engine
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_engine.app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+@contextlib.contextmanager
 def running_gateway(config: GatewayConfig) -> Iterator[GatewayThread]:
     """A gateway with ``config`` on a free loopback port, for one test."""
     gateway = GatewayThread(config, port=free_port()).start()

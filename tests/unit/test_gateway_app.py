@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from kvturn import control
 from kvturn.gateway.config import GatewayConfig, endpoints
-from tests import fake_engine
-from tests.gateway_fixtures import free_port, running_gateway
+from tests.gateway_fixtures import running_fake_engine, running_gateway
 
 
 @pytest.fixture(scope="module")
 def fake_url() -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake_engine.app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(5)
+    with running_fake_engine() as url:
+        yield url
 
 
 @pytest.fixture

@@ -1,0 +1,88 @@
+"""kvturn.client against the real kvturn gateway (on the fast fake engine): the gateway sees the
+conversation, the pauses, the heartbeats and the release. Sync and async."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvturn.client import AsyncOpenAI, OpenAI
+from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.server import GatewayThread
+from tests.gateway_fixtures import metric, running_fake_engine, running_gateway
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+#: A short lease so that a pause of a second already needs heartbeats (first at half the lease).
+LEASE_S = 0.4
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[GatewayThread]:
+    with running_fake_engine() as fake:
+        config = GatewayConfig(
+            prefill=endpoints([fake]), decode=endpoints([fake], [fake]), lease_s=LEASE_S
+        )
+        with running_gateway(config) as running:
+            yield running
+
+
+def _metrics(gateway: GatewayThread, name: str) -> float:
+    return metric(gateway.url + "/metrics", name)
+
+
+def test_sync_conversation_is_seen_by_the_gateway(gateway: GatewayThread) -> None:
+    client = OpenAI(base_url=gateway.url + "/v1", api_key="-")
+    store = gateway.app.state.gateway.store
+    beats, releases = (
+        _metrics(gateway, "kvturn_heartbeats_total"),
+        _metrics(gateway, "kvturn_releases_total"),
+    )
+    pauses = _metrics(gateway, 'kvturn_client_pause_seconds_count{kind="user"}')
+    with client.conversation("sync-conv") as conversation:
+        client.chat.completions.create(model="fake", messages=MESSAGES)
+        assert store.get("sync-conv") is not None
+        assert conversation.lease_seconds == LEASE_S  # learned from the gateway's header
+        time.sleep(1.0)  # a long pause: heartbeats renew the lease through the gateway
+        assert _metrics(gateway, "kvturn_heartbeats_total") - beats >= 1
+        second = client.chat.completions.with_raw_response.create(model="fake", messages=MESSAGES)
+        assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    assert _metrics(gateway, 'kvturn_client_pause_seconds_count{kind="user"}') - pauses == 1
+    assert _metrics(gateway, "kvturn_releases_total") - releases == 1
+    assert store.get("sync-conv") is None
+    client.close()
+
+
+def test_short_pauses_send_no_heartbeats(gateway: GatewayThread) -> None:
+    client = OpenAI(base_url=gateway.url + "/v1", api_key="-")
+    beats = _metrics(gateway, "kvturn_heartbeats_total")
+    with client.conversation("quick-conv"):
+        client.chat.completions.create(model="fake", messages=MESSAGES)
+        time.sleep(0.05)
+        client.chat.completions.create(model="fake", messages=MESSAGES)
+    assert _metrics(gateway, "kvturn_heartbeats_total") == beats
+    client.close()
+
+
+def test_async_conversation_is_seen_by_the_gateway(gateway: GatewayThread) -> None:
+    async def run() -> None:
+        client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="-")
+        store = gateway.app.state.gateway.store
+        beats = _metrics(gateway, "kvturn_heartbeats_total")
+        releases = _metrics(gateway, "kvturn_releases_total")
+        async with client.conversation("async-conv"):
+            stream = await client.chat.completions.create(
+                model="fake", messages=MESSAGES, stream=True
+            )
+            async for _ in stream:
+                pass
+            assert store.get("async-conv") is not None
+            await asyncio.sleep(1.0)
+            assert _metrics(gateway, "kvturn_heartbeats_total") - beats >= 1
+        assert _metrics(gateway, "kvturn_releases_total") - releases == 1
+        assert store.get("async-conv") is None
+        await client.close()
+
+    asyncio.run(run())
