@@ -169,7 +169,10 @@ async def _serve_turn(gateway: Gateway, request: Request, path: str, input_field
         _validate(body, input_field, gateway)
         conversation_id = _conversation_id(request, body)
         _record_pause(gateway, request)
-        return await gateway.runner.run(Turn(path, body, conversation_id))
+        turn_id = request.headers.get(h.TURN_ID)
+        if turn_id is not None and len(turn_id) > 128:
+            raise InvalidRequest("turn id is longer than 128 characters")
+        return await gateway.runner.run(Turn(path, body, conversation_id, turn_id))
     except GatewayError as error:
         if error.status >= 500:
             logger.warning("turn failed: %s", error.message)

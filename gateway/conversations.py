@@ -28,6 +28,9 @@ class Conversation:
     #: When the conversation's lease lapses unless a turn or heartbeat renews it.
     lease_expires_at: float = 0.0
     turns: int = 0
+    #: The client's id of the last turn (``X-Kvturn-Turn-Id``): a repeat is an SDK retry.
+    last_turn_id: str | None = None
+    retries: int = 0
     heartbeats: int = 0
     last_seen: float = 0.0
     #: Set while the previous turn's retained-KV lookup is still running.
@@ -84,6 +87,14 @@ class ConversationStore:
         conversation.kv_expires_at = now + kv_expires_in_s
         conversation.lease_expires_at = min(now + lease_s, conversation.kv_expires_at)
         conversation.last_seen = now
+
+    def note_turn(self, conversation: Conversation, turn_id: str | None) -> bool:
+        """Record the client's turn id; whether this request retries the previous turn."""
+        retry = turn_id is not None and turn_id == conversation.last_turn_id
+        if retry:
+            conversation.retries += 1
+        conversation.last_turn_id = turn_id
+        return retry
 
     def forget_kv(self, conversation: Conversation) -> None:
         conversation.holder_url = None

@@ -36,6 +36,10 @@ class GatewayMetrics:
         self.live_conversations = Gauge(
             "kvturn_live_conversations", "Conversations with a live lease", registry=r
         )
+        self.turn_retries = Counter(
+            "kvturn_turn_retries", "Requests that repeated the previous turn id (SDK retries)",
+            registry=r,
+        )  # fmt: skip
         self.heartbeats = Counter("kvturn_heartbeats", "Heartbeats received", registry=r)
         self.releases = Counter("kvturn_releases", "Conversations released", registry=r)
         self.pauses = Histogram(

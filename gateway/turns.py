@@ -44,6 +44,8 @@ class Turn:
     path: str
     body: dict[str, Any]
     conversation_id: str | None
+    #: The client's turn id (``X-Kvturn-Turn-Id``), the same on every retry of one turn.
+    turn_id: str | None = None
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -84,6 +86,8 @@ class TurnRunner:
         conversation = (
             self.store.get_or_create(turn.conversation_id) if turn.conversation_id else None
         )
+        if conversation is not None and self.store.note_turn(conversation, turn.turn_id):
+            self.metrics.turn_retries.inc()
         if conversation is not None and conversation.settling is not None:
             # The previous turn's KV location is still being recorded: wait briefly for it.
             with contextlib.suppress(TimeoutError):

@@ -18,6 +18,7 @@ from typing import Any
 Scope = dict[str, Any]
 
 _RETAINED: dict[str, dict[str, Any]] = {}
+_THROTTLED: set[str] = set()
 _COUNTS = {"prefill": 0, "decode": 0}
 _PROMPT_TOKENS = 1000
 _METRICS = "".join(
@@ -93,6 +94,12 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     body = json.loads(await _read(receive))
     if body.get("fake_delay_ms"):  # lets a test hold requests in flight
         await asyncio.sleep(body["fake_delay_ms"] / 1000)
+    if body.get("fake_429_once"):  # the first attempt of each distinct request is throttled
+        key = body["fake_429_once"]
+        if key not in _THROTTLED:
+            _THROTTLED.add(key)
+            await _send_json(send, 429, {"error": {"message": "slow down", "type": "rate_limit"}})
+            return
     params = body.get("kv_transfer_params") or {}
     if params.get("do_remote_decode"):
         _COUNTS["prefill"] += 1

@@ -86,3 +86,23 @@ def test_async_conversation_is_seen_by_the_gateway(gateway: GatewayThread) -> No
         await client.close()
 
     asyncio.run(run())
+
+
+def test_turn_id_survives_the_sdk_retry(gateway: GatewayThread) -> None:
+    """The engine throttles the first attempt (429, passed through); the SDK retries with the
+    same turn id, and the gateway recognises the retry of the same turn."""
+    client = OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=2)
+    store = gateway.app.state.gateway.store
+    retries = _metrics(gateway, "kvturn_turn_retries_total")
+    with client.conversation("retry-conv") as conversation:
+        client.chat.completions.create(
+            model="fake", messages=MESSAGES, extra_body={"fake_429_once": "retry-conv-1"}
+        )
+        turn = conversation.last_turn
+        assert turn is not None
+        assert store.get("retry-conv").last_turn_id == turn.turn_id
+        assert store.get("retry-conv").retries == 1
+        client.chat.completions.create(model="fake", messages=MESSAGES)
+        assert store.get("retry-conv").retries == 1  # a new turn is not a retry
+    assert _metrics(gateway, "kvturn_turn_retries_total") - retries == 1
+    client.close()
