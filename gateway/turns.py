@@ -229,11 +229,6 @@ class TurnRunner:
         body = dict(turn.body)
         body["kv_transfer_params"] = prefilled.params
         plan = prefilled.plan
-        self.metrics.turns.labels(plan.plan).inc()
-        self.metrics.reused_tokens.inc(prefilled.reused_tokens)
-        self.metrics.recomputed_tokens.inc(
-            max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
-        )
         response_headers = {
             h.PLAN: plan.plan,
             h.REUSED_TOKENS: str(prefilled.reused_tokens),
@@ -259,6 +254,7 @@ class TurnRunner:
             if response.status != 200:
                 self._settle_later(conversation, None, request_id)
                 return _passthrough(response.status, response.body, response_headers)
+            self._count(prefilled)
             data = response.json()
             data.pop("kv_transfer_params", None)
             self._settle_later(conversation, instance, request_id)
@@ -283,6 +279,7 @@ class TurnRunner:
             instance.in_flight -= 1
             self._settle_later(conversation, None, request_id)
             return _passthrough(upstream.status, payload, response_headers)
+        self._count(prefilled)
 
         async def relay() -> AsyncIterator[bytes]:
             first = True
@@ -301,6 +298,14 @@ class TurnRunner:
                 self._settle_later(conversation, instance if completed else None, request_id)
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=response_headers)
+
+    def _count(self, prefilled: PrefillResult) -> None:
+        """Count a turn once decode has taken it (a retried turn counts once, as it ended)."""
+        self.metrics.turns.labels(prefilled.plan.plan).inc()
+        self.metrics.reused_tokens.inc(prefilled.reused_tokens)
+        self.metrics.recomputed_tokens.inc(
+            max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
+        )
 
     # ---- after the reply --------------------------------------------------------------------
 
