@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,6 +25,7 @@ from kvturn.gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     NoHealthyEngine,
+    error_body,
 )
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Pool, check_health_forever
@@ -158,6 +160,10 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route(conversations + "/{conversation_id}", release, methods=["DELETE"]),
         ],
         lifespan=lifespan,
+        exception_handlers={
+            HTTPException: _http_error,  # unknown route, wrong method
+            Exception: _unexpected_error,
+        },
     )
     app.state.gateway = gateway
     return app
@@ -249,6 +255,18 @@ def _record_pause(gateway: Gateway, request: Request) -> None:
         gateway.metrics.pauses.labels(kind).observe(float(pause_ms) / 1000)
     except ValueError:
         return
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    body = error_body(f"{request.method} {request.url.path}: {exc.detail}", kind)
+    return Response(orjson.dumps(body), status_code=exc.status_code, media_type="application/json")
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error serving %s", request.url.path)
+    return _error(GatewayError("internal gateway error"))
 
 
 def _error(error: GatewayError) -> Response:

@@ -132,3 +132,25 @@ def test_parallel_turns_never_share_retained_kv(gateway: str) -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         plans = sorted(pool.map(turn, range(2)))
     assert plans == ["pull-reuse", "recompute"]
+
+
+def test_unknown_routes_and_methods_get_openai_errors(gateway: str) -> None:
+    missing = httpx.get(gateway + "/v1/nope")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "invalid_request_error"
+    wrong = httpx.get(gateway + "/v1/chat/completions")
+    assert wrong.status_code == 405
+    assert "GET /v1/chat/completions" in wrong.json()["error"]["message"]
+
+
+def test_an_unexpected_failure_is_an_openai_shaped_500(fake_url: str) -> None:
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as running:
+
+        async def broken(turn: object) -> None:
+            raise RuntimeError("bug")
+
+        running.app.state.gateway.runner.run = broken
+        response = _chat(running.url)
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "server_error"
