@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,6 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     #: How long to wait, after a decode reply ends, for its connector to publish the retained KV.
     publish_wait_s: float = 0.5
-    extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -123,6 +123,3 @@ class ConversationStore:
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def __iter__(self) -> Iterator[Conversation]:
-        return iter(list(self._items.values()))

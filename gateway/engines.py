@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -387,14 +387,3 @@ def start_engines(
         prefill=[e for e in started if e.spec.role == "prefill"],
         decode=[e for e in started if e.spec.role != "prefill"],
     )
-
-
-@contextlib.contextmanager
-def running_engines(
-    specs: Sequence[EngineSpec], log_dir: Path, **kwargs: object
-) -> Iterator[Deployment]:
-    deployment = start_engines(specs, log_dir, **kwargs)  # type: ignore[arg-type]
-    try:
-        yield deployment
-    finally:
-        deployment.stop()
