@@ -3,11 +3,12 @@ vllm-router (PyPI ``vllm-router``, P/D mode) measured the same way for compariso
 
     .venv/bin/python benchmarks/gateway_overhead.py [--quick]
 
-A fake engine (tests/fake_engine.py: answers instantly, prefill and decode roles) runs in one
-process, the gateway (``kvturn serve``) in another, vllm-router in a third, the load generator
-(aiohttp + uvloop) here. "direct" is the same P/D exchange done by the client itself (prefill,
-then decode with the returned params), so "added" is what a router costs on top of the two hops
-it replaces. vllm-router lives in its own virtualenv so it cannot disturb kvturn's packages:
+A fast fake engine (``benchmarks/fast_upstream.py``: canned answers, prefill and decode roles)
+runs in one process, the gateway (``kvturn serve``) in another, vllm-router in a third, the load
+generator (kvturn's lean HTTP/1.1 client on uvloop) here. "direct" is the same P/D exchange
+done by the load generator itself (prefill, then decode with the returned params), so "added" is
+what a router costs on top of the two hops it replaces. vllm-router lives in its own
+virtualenv so it cannot disturb kvturn's packages:
 
     python3 -m venv .venv-router && .venv-router/bin/pip install vllm-router==0.1.17
 
@@ -32,11 +33,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
 import uvloop
 
+from kvturn.gateway.http1 import HttpClient
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,7 @@ LEVELS = (1, 32, 256)
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
 PREFILL = PREFILL_FOR_REMOTE_DECODE
 PORTS = {"gateway": GATEWAY_PORT, "router": ROUTER_PORT}
+JSON = {"content-type": "application/json"}
 
 ROUTER_NOTES = """\
 How vllm-router's P/D mode works (`--vllm-pd-disaggregation`, default `--kv-connector nixl`;
@@ -69,8 +71,8 @@ prefill worker (503 "No available workers: 0 prefill, 1 decode"): the one fake p
 `http://localhost:29001` as prefill and `http://127.0.0.1:29001` as decode. Its Prometheus
 exporter defaults to port 29000, the gateway's port here, hence `--prometheus-port`. Policy
 `round_robin`: with one prefill and one decode worker every policy picks the same ones, and
-round robin is the cheapest. Each vllm-router measurement checks the fake's `/fake/counts`:
-exactly one prefill and one decode per request.
+round robin is the cheapest. Before its measurements, 300 requests through vllm-router check
+the fake's `/fake/counts`: exactly one prefill and one decode per request.
 """
 
 
@@ -106,91 +108,113 @@ def server(*command: str, port: int) -> Iterator[None]:
                 proc.wait()
 
 
-async def one_direct(session: aiohttp.ClientSession, stream: bool) -> float:
+async def one_direct(client: HttpClient, stream: bool) -> float:
     base = f"http://127.0.0.1:{FAKE_PORT}/v1/chat/completions"
     started = time.perf_counter()
     prefill = {**BODY, "max_tokens": 1, "kv_transfer_params": PREFILL}
-    async with session.post(base, data=orjson.dumps(prefill)) as r:
-        params = orjson.loads(await r.read())["kv_transfer_params"]
+    answer = await client.request("POST", base, orjson.dumps(prefill), JSON)
+    params = orjson.loads(answer.body)["kv_transfer_params"]
     decode = {**BODY, "stream": stream, "kv_transfer_params": params}
-    async with session.post(base, data=orjson.dumps(decode)) as r:
-        async for _ in r.content.iter_any():
-            pass
+    await _read(client, base, orjson.dumps(decode), JSON)
     return time.perf_counter() - started
 
 
-async def one_routed(
-    session: aiohttp.ClientSession, port: int, stream: bool, cid: str | None
-) -> float:
+async def one_routed(client: HttpClient, port: int, stream: bool, cid: str | None) -> float:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    headers = {"Content-Type": "application/json"}
-    if cid:
-        headers["X-Conversation-Id"] = cid
+    headers = {**JSON, "X-Conversation-Id": cid} if cid else JSON
     started = time.perf_counter()
-    async with session.post(
-        url, data=orjson.dumps({**BODY, "stream": stream}), headers=headers
-    ) as r:
-        assert r.status == 200, await r.read()
-        async for _ in r.content.iter_any():
-            pass
+    await _read(client, url, orjson.dumps({**BODY, "stream": stream}), headers)
     return time.perf_counter() - started
 
 
-async def measure(
-    kind: str, stream: bool, concurrency: int, requests: int, cid: bool = False
-) -> dict[str, Any]:
-    """``requests`` calls from ``concurrency`` workers, after a warm-up at the same concurrency
-    (opens the connection pools of the client and of the router under test)."""
-    connector = aiohttp.TCPConnector(limit=0)
-    headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+async def _read(client: HttpClient, url: str, body: bytes, headers: dict[str, str]) -> None:
+    """POST and read the answer chunk by chunk as it arrives (a stream's SSE events too)."""
+    async with await client.open("POST", url, body, headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {await response.read()!r}")
+        while await response.next_chunk() is not None:
+            pass
 
-        async def call(i: int) -> float:
-            if kind == "direct":
-                return await one_direct(session, stream)
-            return await one_routed(
-                session, PORTS[kind], stream, f"bench-{i % 64}" if cid else None
-            )
 
-        async def run(n: int) -> tuple[list[float], float]:
-            latencies: list[float] = []
-            counter = iter(range(n))
+async def call(client: HttpClient, kind: str, stream: bool, i: int) -> float:
+    if kind == "direct":
+        return await one_direct(client, stream)
+    cid = f"bench-{i % 64}" if kind == "gateway+cid" else None
+    return await one_routed(client, PORTS[kind.split("+")[0]], stream, cid)
 
-            async def worker() -> None:
-                for i in counter:
-                    latencies.append(await call(i))
 
-            started = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return latencies, time.perf_counter() - started
-
-        warm = min(requests, max(200, 2 * concurrency))
-        await run(warm)
-        latencies, elapsed = await run(requests)
-    latencies.sort()
+def summary(latencies: list[float], rps: float) -> dict[str, Any]:
+    latencies = sorted(latencies)
     return {
         "p50_ms": statistics.median(latencies) * 1000,
         "p99_ms": latencies[max(0, math.ceil(len(latencies) * 0.99) - 1)] * 1000,
-        "rps": len(latencies) / elapsed,
-        "calls": warm + requests,
+        "rps": rps,
+        "n": len(latencies),
     }
+
+
+async def sequential(kinds: list[str], stream: bool, n: int) -> dict[str, dict[str, Any]]:
+    """Concurrency 1, the kinds interleaved request by request (rotating which goes first), so
+    that a slow moment of this shared machine lands on all of them alike."""
+    client = HttpClient(timeout_s=60)
+    latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
+    try:
+        for i in range(200):  # warm-up: connection pools, caches
+            for kind in kinds:
+                await call(client, kind, stream, i)
+        for i in range(n):
+            for j in range(len(kinds)):
+                kind = kinds[(i + j) % len(kinds)]
+                latencies[kind].append(await call(client, kind, stream, i))
+    finally:
+        await client.close()
+    return {k: summary(v, len(v) / sum(v)) for k, v in latencies.items()}
+
+
+async def concurrent(
+    kinds: list[str], stream: bool, concurrency: int, n: int, rounds: int
+) -> dict[str, dict[str, Any]]:
+    """``concurrency`` workers, ``n`` requests per kind split over ``rounds`` rounds that
+    alternate the kinds; req/s is the median round's, latencies are pooled."""
+    client = HttpClient(timeout_s=60)
+    latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+
+    async def run(kind: str, count: int, into: list[float]) -> float:
+        counter = iter(range(count))
+
+        async def worker() -> None:
+            for i in counter:
+                into.append(await call(client, kind, stream, i))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return count / (time.perf_counter() - started)
+
+    try:
+        for kind in kinds:  # warm-up: opens the pools of the client and the router under test
+            await run(kind, max(200, 2 * concurrency), [])
+        for r in range(rounds):
+            for kind in kinds if r % 2 == 0 else reversed(kinds):
+                rates[kind].append(await run(kind, n // rounds, latencies[kind]))
+    finally:
+        await client.close()
+    return {k: summary(latencies[k], statistics.median(rates[k])) for k in kinds}
 
 
 def fake_counts() -> dict[str, int]:
     return httpx.get(f"http://127.0.0.1:{FAKE_PORT}/fake/counts", timeout=5).json()
 
 
-def measure_router(stream: bool, concurrency: int, requests: int) -> dict[str, Any]:
-    """Measures vllm-router and checks it did P/D: one prefill and one decode per request."""
+def check_router_does_pd(stream: bool, n: int = 100) -> None:
+    """vllm-router must send one prefill and one decode per request, like the gateway."""
     before = fake_counts()
-    result = uvloop.run(measure("router", stream, concurrency, requests))
+    uvloop.run(concurrent(["router"], stream, 1, n, 1))
     after = fake_counts()
     seen = {role: after[role] - before[role] for role in ("prefill", "decode")}
-    if seen != {"prefill": result["calls"], "decode": result["calls"]}:
-        raise RuntimeError(
-            f"vllm-router did not do P/D: {result['calls']} requests, fake saw {seen}"
-        )
-    return result
+    calls = n + 200  # with the warm-up
+    if seen != {"prefill": calls, "decode": calls}:
+        raise RuntimeError(f"vllm-router did not do P/D: {calls} requests, fake saw {seen}")
 
 
 def router_version(binary: Path) -> str:
@@ -219,16 +243,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="Markdown results file")
     args = parser.parse_args()
     counts = dict(
-        zip(LEVELS, (200, 1000, 2000) if args.quick else (2000, 10000, 20000), strict=True)
+        zip(LEVELS, (300, 1500, 3000) if args.quick else (3000, 15000, 30000), strict=True)
     )
+    rounds = 3
     with_router = not args.no_router and args.router_bin.exists()
     if not args.no_router and not with_router:
         print(f"no vllm-router at {args.router_bin}: its columns are left out", file=sys.stderr)
 
     py = sys.executable
-    fake = (py, "-m", "uvicorn", "tests.fake_engine:app", "--port", str(FAKE_PORT),
-            "--loop", "uvloop", "--http", "httptools", "--log-level", "warning",
-            "--no-access-log")  # fmt: skip
+    fake = (py, str(ROOT / "benchmarks" / "fast_upstream.py"), "--port", str(FAKE_PORT))
     fake_url = f"http://127.0.0.1:{FAKE_PORT}"
     gateway = (py, "-m", "kvturn.gateway.cli", "serve", "--prefill", fake_url, "--decode", fake_url,
                "--decode-control", fake_url, "--port", str(GATEWAY_PORT))  # fmt: skip
@@ -237,8 +260,8 @@ def main() -> int:
               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ROUTER_PORT),
               "--prometheus-port", str(ROUTER_METRICS_PORT), "--log-level", "warning")  # fmt: skip
 
-    rows: list[tuple[bool, int, dict[str, Any], dict[str, Any], dict[str, Any] | None]] = []
-    cid_rows: list[tuple[bool, dict[str, Any], dict[str, Any]]] = []
+    kinds = ["direct", "gateway", *(["router"] if with_router else [])]
+    results: dict[tuple[bool, int], dict[str, dict[str, Any]]] = {}
     started = time.monotonic()
     with (
         server(*fake, port=FAKE_PORT),
@@ -246,20 +269,32 @@ def main() -> int:
         server(*router, port=ROUTER_PORT) if with_router else _nothing(),
     ):
         for stream in (False, True):
+            if with_router:
+                check_router_does_pd(stream)
             for concurrency in LEVELS:
                 n = counts[concurrency]
-                direct = uvloop.run(measure("direct", stream, concurrency, n))
-                via = uvloop.run(measure("gateway", stream, concurrency, n))
-                routed = measure_router(stream, concurrency, n) if with_router else None
-                rows.append((stream, concurrency, direct, via, routed))
-                print(f"stream={stream} c={concurrency}: direct {direct}, gateway {via}, "
-                      f"vllm-router {routed}", flush=True)  # fmt: skip
-            direct = next(r[2] for r in rows if r[0] == stream and r[1] == 1)
-            via = uvloop.run(measure("gateway", stream, 1, counts[1], cid=True))
-            cid_rows.append((stream, direct, via))
-            print(f"stream={stream} c=1 conversation id: gateway {via}", flush=True)
+                if concurrency == 1:
+                    found = uvloop.run(sequential([*kinds, "gateway+cid"], stream, n))
+                else:
+                    found = uvloop.run(concurrent(kinds, stream, concurrency, n, rounds))
+                results[(stream, concurrency)] = found
+                print(f"stream={stream} c={concurrency}: {found}", flush=True)
     took = time.monotonic() - started
+    write_results(args, results, counts, rounds, took, fake, gateway, router, with_router)
+    return 0
 
+
+def write_results(
+    args: argparse.Namespace,
+    results: dict[tuple[bool, int], dict[str, dict[str, Any]]],
+    counts: dict[int, int],
+    rounds: int,
+    took: float,
+    fake: tuple[str, ...],
+    gateway: tuple[str, ...],
+    router: tuple[str, ...],
+    with_router: bool,
+) -> None:
     quick = " --quick" if args.quick else ""
     lines = [
         "# Router overhead against a fast fake upstream (P/D mode)"
@@ -267,17 +302,22 @@ def main() -> int:
         "",
         f"Command: `.venv/bin/python benchmarks/gateway_overhead.py{quick}` ({took:.0f} s)  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; {os.cpu_count()} CPU cores shared by the fake "
-        "engine, the routers and the load generator (aiohttp + uvloop; one process, so at high "
-        "concurrency it is part of what is measured). Requests per level (after a warm-up at the "
-        f"same concurrency): {', '.join(f'c={c}: {n}' for c, n in counts.items())}.  ",
-        "'direct' = the client itself does prefill then decode against the fake; 'added' = that "
-        "router's p50 minus direct p50. Latencies in ms. At concurrency 32 and 256 the cores "
-        "are saturated (direct req/s is about the fake engine's own limit), so latency there is "
-        "mostly queueing and req/s is the figure to compare.",
+        "engine, the routers and the load generator (one process: kvturn's HTTP/1.1 client, "
+        "`kvturn.gateway.http1`, on uvloop; at high concurrency it is part of what is "
+        "measured).  ",
+        f"Requests per kind: c=1: {counts[1]}, interleaved request by request across the kinds "
+        "(a slow moment of the machine lands on all alike), req/s = 1 / mean latency; "
+        + ", ".join(f"c={c}: {counts[c]}" for c in LEVELS if c > 1)
+        + f" in {rounds} rounds alternating the kinds, req/s = the median round's, latencies "
+        "pooled. Each kind is warmed up first.  ",
+        "'direct' = the load generator itself does prefill then decode against the fake; "
+        "'added' = that router's p50 minus direct p50 (what the router costs on top of the two "
+        "hops it replaces). Latencies in ms. At concurrency 32 and 256 the two cores are "
+        "saturated, so latency there is mostly queueing and req/s is the figure to compare.",
         "",
         "Servers:",
         "",
-        f"- fake engine (prefill and decode): `{_shown(fake)}`",
+        f"- fake engine (prefill and decode, canned answers): `{_shown(fake)}`",
         f"- kvturn gateway: `{_shown(gateway)}`",
         f"- vllm-router {router_version(args.router_bin)}: `{_shown(router)}`"
         if with_router
@@ -288,21 +328,26 @@ def main() -> int:
         "| vllm-router p50 | vllm-router p99 | vllm-router req/s | vllm-router added p50 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for stream, c, d, g, r in rows:
-        router_cells = _cells(r, d) if r else "— | — | — | —"
+    for (stream, c), found in results.items():
+        d = found["direct"]
+        router_cells = _cells(found["router"], d) if with_router else "— | — | — | —"
         lines.append(
             f"| {'yes' if stream else 'no'} | {c} | {d['p50_ms']:.3f} | {d['p99_ms']:.3f} "
-            f"| {d['rps']:.0f} | {_cells(g, d)} | {router_cells} |"
+            f"| {d['rps']:.0f} | {_cells(found['gateway'], d)} | {router_cells} |"
         )
     lines += [
         "",
-        "Gateway with `X-Conversation-Id` (64 rotating ids; the conversation-aware path, which "
-        "vllm-router has no counterpart for), concurrency 1, against the direct row above:",
+        "Gateway with `X-Conversation-Id` (64 rotating ids; the conversation-aware path: table "
+        "lookups, settling the KV location after each reply, which vllm-router has no "
+        "counterpart for), concurrency 1, interleaved with the rows above:",
         "",
         "| streamed | direct p50 | gateway p50 | gateway p99 | gateway req/s | added p50 |",
         "|---|---|---|---|---|---|",
     ]
-    for stream, d, g in cid_rows:
+    for (stream, c), found in results.items():
+        if c != 1:
+            continue
+        d, g = found["direct"], found["gateway+cid"]
         lines.append(
             f"| {'yes' if stream else 'no'} | {d['p50_ms']:.3f} | {g['p50_ms']:.3f} "
             f"| {g['p99_ms']:.3f} | {g['rps']:.0f} | {g['p50_ms'] - d['p50_ms']:+.3f} |"
@@ -312,7 +357,6 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
 
 
 @contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -50,5 +52,26 @@ class GatewayMetrics:
             "kvturn_upstream_errors", "Engine requests that failed, by role", ["role"], registry=r
         )
 
+        # Children by label value, looked up once: ``labels()`` costs microseconds per call on
+        # the turn path. Label values come from small fixed sets (plans, reasons, roles, kinds).
+        self.turns_by = _ByLabel(self.turns)
+        self.fallbacks_by = _ByLabel(self.fallbacks)
+        self.ttft_by = _ByLabel(self.ttft)
+        self.prefill_seconds_by = _ByLabel(self.prefill_seconds)
+        self.pauses_by = _ByLabel(self.pauses)
+        self.upstream_errors_by = _ByLabel(self.upstream_errors)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ByLabel(dict[str, Any]):
+    """``by[value]`` is ``metric.labels(value)``, created on first use and kept."""
+
+    def __init__(self, metric: Any):
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, value: str) -> Any:
+        child = self[value] = self.metric.labels(value)
+        return child

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
 import time
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from starlette.responses import Response, StreamingResponse
 
 from kvturn import headers as h
 from kvturn.gateway.config import GatewayConfig
@@ -26,13 +25,24 @@ from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import TurnPlan, plan_turn
 from kvturn.gateway.pools import Instance, Pool
-from kvturn.gateway.upstream import Upstream, UpstreamResponse, UpstreamUnavailable, iter_chunks
+from kvturn.gateway.replies import Reply
+from kvturn.gateway.upstream import (
+    StreamResponse,
+    Upstream,
+    UpstreamResponse,
+    UpstreamUnavailable,
+    next_chunk,
+)
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
 
 logger = logging.getLogger("kvturn.gateway")
 
 #: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
 RECOMPUTE_PARAMS = PREFILL_FOR_REMOTE_DECODE
+#: Decode request ids: unique per gateway process (random) and per request (a counter); cheaper
+#: than a uuid4 per turn. They key what decode publishes about the KV it retains.
+_RUN_ID = os.urandom(8).hex()
+_REQUEST_SEQ = itertools.count()
 #: Sampling fields that only matter for the reply, dropped from the prefill request.
 _DECODE_ONLY_FIELDS = ("max_completion_tokens", "stream_options", "min_tokens", "n")
 
@@ -82,7 +92,7 @@ class TurnRunner:
         self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
 
-    async def run(self, turn: Turn) -> Response:
+    async def run(self, turn: Turn) -> Reply:
         conversation = (
             self.store.get_or_create(turn.conversation_id) if turn.conversation_id else None
         )
@@ -93,7 +103,7 @@ class TurnRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(conversation.settling.wait(), self.config.publish_wait_s)
         prefilled = await self._prefill(turn, conversation)
-        if isinstance(prefilled, Response):
+        if isinstance(prefilled, Reply):
             return prefilled
         try:
             return await self._decode(turn, conversation, prefilled)
@@ -101,12 +111,12 @@ class TurnRunner:
             # Decode died, or failed its pull from prefill, before replying: serve the turn
             # again from scratch (on another decode if this one is gone).
             logger.warning("decode failed before replying (%s); recomputing", failure)
-            self.metrics.upstream_errors.labels("decode").inc()
+            self.metrics.upstream_errors_by["decode"].inc()
             failed = self.decode.get(failure.url)
             if failed is not None and failure.unreachable:
                 failed.healthy = False
             retry = await self._prefill(turn, None, forced=TurnPlan("recompute", "decode-failed"))
-            if isinstance(retry, Response):
+            if isinstance(retry, Reply):
                 return retry
             return await self._decode(turn, conversation, retry)
 
@@ -119,7 +129,7 @@ class TurnRunner:
 
     async def _prefill(
         self, turn: Turn, conversation: Conversation | None, forced: TurnPlan | None = None
-    ) -> PrefillResult | Response:
+    ) -> PrefillResult | Reply:
         plan = forced or self._plan(conversation)
         params = RECOMPUTE_PARAMS
         if plan.reuses and conversation is not None:
@@ -134,7 +144,7 @@ class TurnRunner:
             else:
                 params = retained
         if not plan.reuses:
-            self.metrics.fallbacks.labels(plan.reason).inc()
+            self.metrics.fallbacks_by[plan.reason].inc()
 
         body = _prefill_body(turn.body, params)
         attempts = 0
@@ -161,12 +171,12 @@ class TurnRunner:
                 break
             if response is not None and 400 <= response.status < 500 and params is RECOMPUTE_PARAMS:
                 return _passthrough(response.status, response.body)
-            self.metrics.upstream_errors.labels("prefill").inc()
+            self.metrics.upstream_errors_by["prefill"].inc()
             if params is not RECOMPUTE_PARAMS:
                 # vLLM answers a declined or failed pull with an error: retry as plain recompute.
                 logger.warning("prefill with reuse failed (%s); recomputing", _status(response))
                 params, plan = RECOMPUTE_PARAMS, TurnPlan("recompute", "pull-failed")
-                self.metrics.fallbacks.labels(plan.reason).inc()
+                self.metrics.fallbacks_by[plan.reason].inc()
                 body = _prefill_body(turn.body, params)
                 continue  # same or another instance: a failed pull says nothing about its health
             if attempts >= 3 or not self.prefill.healthy():
@@ -175,14 +185,14 @@ class TurnRunner:
                 raise UpstreamError(f"prefill failed with HTTP {response.status}")
             tried = instance
 
-        self.metrics.prefill_seconds.labels(plan.plan).observe(time.perf_counter() - started)
+        self.metrics.prefill_seconds_by[plan.plan].observe(time.perf_counter() - started)
         data = response.json()
         usage = data.get("usage") or {}
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
         reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         if plan.reuses and reused == 0:
             plan = TurnPlan("recompute", "no-common-prefix")
-            self.metrics.fallbacks.labels(plan.reason).inc()
+            self.metrics.fallbacks_by[plan.reason].inc()
         decode_params = dict(data.get("kv_transfer_params") or {})
         if not decode_params:
             raise UpstreamError("prefill returned no kv_transfer_params (is it a kvturn engine?)")
@@ -223,9 +233,9 @@ class TurnRunner:
 
     async def _decode(
         self, turn: Turn, conversation: Conversation | None, prefilled: PrefillResult
-    ) -> Response:
+    ) -> Reply:
         instance = self.decode.choose(prefer=conversation.holder_url if conversation else None)
-        request_id = f"kvturn-{uuid.uuid4().hex}"
+        request_id = f"kvturn-{_RUN_ID}-{next(_REQUEST_SEQ)}"
         body = dict(turn.body)
         body["kv_transfer_params"] = prefilled.params
         plan = prefilled.plan
@@ -255,12 +265,13 @@ class TurnRunner:
                 self._settle_later(conversation, None, request_id)
                 return _passthrough(response.status, response.body, response_headers)
             self._count(prefilled)
-            data = response.json()
-            data.pop("kv_transfer_params", None)
+            payload = response.body
+            if b'"kv_transfer_params"' in payload:  # engine-internal: never shown to callers
+                data = response.json()
+                data.pop("kv_transfer_params", None)
+                payload = orjson.dumps(data)
             self._settle_later(conversation, instance, request_id)
-            return Response(
-                orjson.dumps(data), media_type="application/json", headers=response_headers
-            )
+            return Reply(200, payload, response_headers)
 
         instance.in_flight += 1
         try:
@@ -269,39 +280,27 @@ class TurnRunner:
             instance.in_flight -= 1
             raise DecodeFailed(instance.url, unreachable=True) from error
         if upstream.status >= 500:
-            upstream.release()
+            await upstream.aclose()
             instance.in_flight -= 1
             raise DecodeFailed(instance.url, unreachable=False)
         _mark_settling(conversation)
         if upstream.status != 200:
-            payload = await upstream.read()
-            upstream.release()
+            try:
+                payload = await upstream.read()
+            except Exception:
+                payload = b""
+            await upstream.aclose()
             instance.in_flight -= 1
             self._settle_later(conversation, None, request_id)
             return _passthrough(upstream.status, payload, response_headers)
         self._count(prefilled)
 
-        async def relay() -> AsyncIterator[bytes]:
-            first = True
-            completed = False
-            try:
-                async for chunk in iter_chunks(upstream):
-                    if first:
-                        first = False
-                        self.metrics.ttft.labels(plan.plan).observe(
-                            time.perf_counter() - turn.started
-                        )
-                    yield chunk
-                completed = True
-            finally:
-                instance.in_flight -= 1
-                self._settle_later(conversation, instance if completed else None, request_id)
-
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=response_headers)
+        relay = _Relay(self, upstream, instance, conversation, request_id, plan.plan, turn.started)
+        return Reply(200, headers=response_headers, stream=relay)
 
     def _count(self, prefilled: PrefillResult) -> None:
         """Count a turn once decode has taken it (a retried turn counts once, as it ended)."""
-        self.metrics.turns.labels(prefilled.plan.plan).inc()
+        self.metrics.turns_by[prefilled.plan.plan].inc()
         self.metrics.reused_tokens.inc(prefilled.reused_tokens)
         self.metrics.recomputed_tokens.inc(
             max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
@@ -357,6 +356,54 @@ class TurnRunner:
             self.metrics.live_conversations.set(self.store.live_count())
 
 
+class _Relay:
+    """Decode's streamed reply on its way to the client (a :class:`~.replies.ReplyStream`):
+    observes TTFT at the first chunk; when the stream ends or is closed, frees the instance
+    and records where the conversation's KV now lives (nowhere, if the stream broke off)."""
+
+    def __init__(
+        self,
+        runner: TurnRunner,
+        upstream: StreamResponse,
+        instance: Instance,
+        conversation: Conversation | None,
+        request_id: str,
+        plan: str,
+        started: float,
+    ):
+        self.runner = runner
+        self.upstream = upstream
+        self.instance = instance
+        self.conversation = conversation
+        self.request_id = request_id
+        self.plan = plan
+        self.started = started
+        self.first = True
+        self.closed = False
+
+    @property
+    def at_end(self) -> bool:
+        return self.upstream.at_end
+
+    async def next_chunk(self) -> bytes | None:
+        chunk = await next_chunk(self.upstream)
+        if chunk is not None and self.first:
+            self.first = False
+            self.runner.metrics.ttft_by[self.plan].observe(time.perf_counter() - self.started)
+        return chunk
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        completed = self.upstream.at_end
+        await self.upstream.aclose()
+        self.instance.in_flight -= 1
+        self.runner._settle_later(
+            self.conversation, self.instance if completed else None, self.request_id
+        )
+
+
 def _mark_settling(conversation: Conversation | None) -> None:
     """From now until the reply is recorded, the conversation's next turn waits for it."""
     if conversation is not None:
@@ -371,8 +418,8 @@ def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any
     return prefill
 
 
-def _passthrough(status: int, payload: bytes, headers: dict[str, str] | None = None) -> Response:
-    return Response(payload, status_code=status, media_type="application/json", headers=headers)
+def _passthrough(status: int, payload: bytes, headers: dict[str, str] | None = None) -> Reply:
+    return Reply(status, payload, headers or {})
 
 
 def _status(response: Any) -> str:

@@ -1,23 +1,20 @@
-"""The gateway's HTTP client to the engines (aiohttp: measured faster than httpx here)."""
+"""The gateway's client to the engines: JSON in and out over :mod:`.http1`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 
+from kvturn.gateway.http1 import HttpClient, HttpError, Response, StreamResponse
 
-@dataclass(slots=True)
-class UpstreamResponse:
-    status: int
-    body: bytes
-    headers: Mapping[str, str]
+__all__ = ["StreamResponse", "Upstream", "UpstreamResponse", "UpstreamUnavailable", "next_chunk"]
 
-    def json(self) -> Any:
-        return orjson.loads(self.body)
+#: A complete engine response (``status``, lower-case ``headers``, ``body``).
+UpstreamResponse = Response
+
+_JSON = {"content-type": "application/json"}
 
 
 class UpstreamUnavailable(Exception):
@@ -25,53 +22,39 @@ class UpstreamUnavailable(Exception):
 
 
 class Upstream:
-    """One pooled aiohttp session for every engine."""
+    """One connection-pooling client for every engine."""
 
     def __init__(self, connect_timeout_s: float, request_timeout_s: float):
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
-        self._session: aiohttp.ClientSession | None = None
+        self._client: HttpClient | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        timeout = aiohttp.ClientTimeout(
-            total=self._request_timeout_s, sock_connect=self._connect_timeout_s
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        self._client = HttpClient(self._connect_timeout_s, self._request_timeout_s)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "Upstream.start() was not awaited"
-        return self._session
+    def client(self) -> HttpClient:
+        assert self._client is not None, "Upstream.start() was not awaited"
+        return self._client
 
     async def post_json(
         self, url: str, body: Any, headers: Mapping[str, str] | None = None
-    ) -> UpstreamResponse:
+    ) -> Response:
         try:
-            async with self.session.post(
-                url, data=orjson.dumps(body), headers=_json_headers(headers)
-            ) as response:
-                return UpstreamResponse(response.status, await response.read(), response.headers)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise UpstreamUnavailable(f"{url}: {error!r}") from error
+            return await self.client.request("POST", url, orjson.dumps(body), _json(headers))
+        except HttpError as error:
+            raise UpstreamUnavailable(f"{url}: {error}") from error
 
-    async def get(self, url: str, timeout_s: float | None = None) -> UpstreamResponse:
+    async def get(self, url: str, timeout_s: float | None = None) -> Response:
         try:
-            timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
-            async with self.session.get(url, timeout=timeout) as response:
-                return UpstreamResponse(response.status, await response.read(), response.headers)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise UpstreamUnavailable(f"{url}: {error!r}") from error
+            return await self.client.request("GET", url, timeout_s=timeout_s)
+        except HttpError as error:
+            raise UpstreamUnavailable(f"{url}: {error}") from error
 
     async def is_healthy(self, url: str) -> bool:
         try:
@@ -81,29 +64,21 @@ class Upstream:
 
     async def open_stream(
         self, url: str, body: Any, headers: Mapping[str, str] | None = None
-    ) -> aiohttp.ClientResponse:
-        """POST and return the response once its headers arrived; the caller must release it."""
+    ) -> StreamResponse:
+        """POST and return the response once its headers arrived; the caller must close it."""
         try:
-            return await self.session.post(
-                url, data=orjson.dumps(body), headers=_json_headers(headers)
-            )
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise UpstreamUnavailable(f"{url}: {error!r}") from error
+            return await self.client.open("POST", url, orjson.dumps(body), _json(headers))
+        except HttpError as error:
+            raise UpstreamUnavailable(f"{url}: {error}") from error
 
 
-async def iter_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Bytes as they arrive: no re-framing, no buffering beyond what the socket delivers."""
+async def next_chunk(stream: StreamResponse) -> bytes | None:
+    """The next bytes of a streamed body as they arrived (never re-framed), None at its end."""
     try:
-        async for chunk in response.content.iter_any():
-            yield chunk
-    except (aiohttp.ClientError, TimeoutError) as error:
-        raise UpstreamUnavailable(repr(error)) from error
-    finally:
-        response.release()
+        return await stream.next_chunk()
+    except HttpError as error:
+        raise UpstreamUnavailable(str(error)) from error
 
 
-def _json_headers(extra: Mapping[str, str] | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    if extra:
-        headers.update(extra)
-    return headers
+def _json(extra: Mapping[str, str] | None) -> Mapping[str, str]:
+    return {**_JSON, **extra} if extra else _JSON

@@ -1,0 +1,441 @@
+"""A small HTTP/1.1 client for the gateway's calls to its engines, built for low overhead.
+
+The gateway makes two or three requests to engines per turn, always to a handful of known
+origins on a trusted network, always small JSON bodies with a ``Content-Length`` and
+responses that vLLM (uvicorn) frames with ``Content-Length`` or chunked encoding. General
+clients pay for what that traffic never needs (cookies, redirects, proxies, auth, tracing
+hooks, multidict headers, several layers of streams): aiohttp's client was about 60% of the
+gateway's CPU per turn. This one keeps, per origin, a pool of keep-alive connections, each an
+:class:`asyncio.Protocol` fed to ``httptools`` (the C parser uvicorn uses), writes each request
+in one ``write`` and wakes the caller once per response (or once per arriving chunk when
+streaming).
+
+Semantics worth knowing:
+
+* **Errors** are :class:`HttpError` (refused, reset, closed early, malformed response,
+  timeout), never a half-read response.
+* **Stale connections**: an idle connection the server closed is dropped when noticed; and a
+  request that fails on a *reused* connection before a single response byte arrived is sent
+  once more on a fresh connection (the server closed it while idle — uvicorn's keep-alive is
+  5 s — and never saw the request). Idle connections older than ``idle_timeout_s`` are closed
+  rather than reused, which keeps that race rare.
+* **Timeouts**: ``connect_timeout_s`` to open a connection; ``timeout_s`` for the whole
+  exchange, streamed bodies included (the deadline aborts the connection).
+* **Streams** (:meth:`HttpClient.open`) deliver body bytes as they arrive (de-chunked, never
+  re-framed). Reading pauses when more than ``_STREAM_HIGH_WATER`` bytes wait unconsumed. A
+  stream closed before its end aborts the connection, which tells the server the reader left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httptools
+import orjson
+
+_STREAM_HIGH_WATER = 1 << 20  # bytes buffered for a stream reader before reading pauses
+
+
+class HttpError(Exception):
+    """The exchange failed: no (complete) response."""
+
+
+class _Stale(HttpError):
+    """A reused connection failed before any response byte: safe to send again."""
+
+
+class Response:
+    """A complete response. Header names are lower-case."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes):
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection carrying one exchange at a time."""
+
+    def __init__(self, pool: _Pool):
+        self.pool = pool
+        self.transport: Any = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.reused = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.got_bytes = False
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = True
+        self.error: HttpError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+        self.deadline: asyncio.TimerHandle | None = None
+        self.timeout_s = 0.0
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            self._fail(HttpError(f"malformed response: {error}"))
+            self.transport.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.complete:
+            return
+        if (
+            self.headers_done
+            and "content-length" not in self.headers
+            and ("transfer-encoding" not in self.headers)
+        ):
+            self.on_message_complete()  # a body delimited by the connection closing
+            return
+        stale = self.reused and not self.got_bytes
+        error = (_Stale if stale else HttpError)(
+            f"connection closed before the response was complete ({exc or 'EOF'})"
+        )
+        self._fail(error)
+
+    # -- httptools callbacks ------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _STREAM_HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        self._wake()
+
+    # -- the exchange -------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: HttpError) -> None:
+        if self.error is None:
+            self.error = error
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        self._wake()
+
+    def _timed_out(self) -> None:
+        self.deadline = None
+        self._fail(HttpError(f"no complete response within {self.timeout_s:g} s"))
+        self.transport.abort()
+
+    def start(self, request: bytes, timeout_s: float, loop: asyncio.AbstractEventLoop) -> None:
+        self._reset()
+        self.timeout_s = timeout_s
+        self.deadline = loop.call_later(timeout_s, self._timed_out)
+        self.transport.write(request)
+
+    async def wait(self) -> None:
+        """Until something changes (headers, a chunk, the end, an error)."""
+        if self.error is not None:
+            raise self.error
+        self.waiter = self.pool.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def take_chunks(self) -> list[bytes]:
+        chunks, self.chunks, self.buffered = self.chunks, [], 0
+        if self.paused and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return chunks
+
+    def abort(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class _Pool:
+    """Keep-alive connections to one origin (most recently used first)."""
+
+    def __init__(self, client: HttpClient, host: str, port: int):
+        self.client = client
+        self.host = host
+        self.port = port
+        self.loop = asyncio.get_running_loop()
+        self.idle: collections.deque[_Connection] = collections.deque()
+        self.host_header = f"{host}:{port}".encode("latin-1")
+
+    async def acquire(self, fresh: bool = False) -> _Connection:
+        if not fresh:
+            now = time.monotonic()
+            while self.idle:
+                conn = self.idle.pop()
+                if conn.closed:
+                    continue
+                if now - conn.idle_since > self.client.idle_timeout_s:
+                    conn.abort()
+                    continue
+                conn.reused = True
+                return conn
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _Connection(self), self.host, self.port),
+                self.client.connect_timeout_s,
+            )
+        except (OSError, TimeoutError) as error:
+            raise HttpError(f"cannot connect to {self.host}:{self.port}: {error!r}") from None
+        return conn
+
+    def release(self, conn: _Connection) -> None:
+        if conn.closed or not conn.complete or not conn.keep_alive or conn.error is not None:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        self.idle.append(conn)
+        if len(self.idle) > self.client.max_idle_per_origin:
+            self.idle.popleft().abort()
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop().abort()
+
+
+class StreamResponse:
+    """A response whose headers arrived; its body is read as it comes. Always close it (or
+    read it to the end): ``async with`` or ``await stream.aclose()``."""
+
+    def __init__(self, pool: _Pool, conn: _Connection):
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self._finished = False
+        self.status = conn.status
+        self.headers = conn.headers
+
+    @property
+    def at_end(self) -> bool:
+        """The whole body arrived and was handed out: the next ``next_chunk`` is None."""
+        return self._finished
+
+    async def next_chunk(self) -> bytes | None:
+        """The body bytes that arrived since the last call (waiting for some), or None at the
+        end of the body."""
+        conn = self._conn
+        if conn is None:
+            return None
+        try:
+            while not conn.chunks:
+                if conn.complete:
+                    self._done()
+                    return None
+                await conn.wait()
+        except BaseException:
+            self._abort()
+            raise
+        chunks = conn.take_chunks()
+        if conn.complete:
+            self._done()  # the connection goes back to the pool before the chunk is used
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (chunk := await self.next_chunk()) is not None:
+            yield chunk
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self])
+
+    async def aclose(self) -> None:
+        """Stop reading: a finished response frees its connection, an unfinished one aborts."""
+        conn = self._conn
+        if conn is None:
+            return
+        if conn.complete and not conn.chunks:
+            self._done()
+        else:
+            self._abort()
+
+    async def __aenter__(self) -> StreamResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _done(self) -> None:
+        self._finished = True
+        if self._conn is not None:
+            self._pool.release(self._conn)
+            self._conn = None
+
+    def _abort(self) -> None:
+        if self._conn is not None:
+            self._conn.abort()
+            self._conn = None
+
+
+class HttpClient:
+    """HTTP/1.1 to a few known ``http://`` origins; one instance per event loop."""
+
+    def __init__(
+        self,
+        connect_timeout_s: float = 5.0,
+        timeout_s: float = 600.0,
+        idle_timeout_s: float = 3.0,
+        max_idle_per_origin: int = 256,
+    ):
+        self.connect_timeout_s = connect_timeout_s
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_idle_per_origin = max_idle_per_origin
+        #: "http://host:port" -> its pool
+        self._pools: dict[str, _Pool] = {}
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Response:
+        """Send and read the whole response."""
+        pool, path = self._route(url)
+        payload = _encode(method, path, pool.host_header, body, headers)
+        conn = await pool.acquire()
+        try:
+            await self._exchange(pool, conn, payload, timeout_s, until_complete=True)
+        except _Stale:
+            conn = await pool.acquire(fresh=True)
+            await self._exchange(pool, conn, payload, timeout_s, until_complete=True)
+        response = Response(conn.status, conn.headers, b"".join(conn.take_chunks()))
+        pool.release(conn)
+        return response
+
+    async def open(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> StreamResponse:
+        """Send and return once the response's headers arrived; the body streams."""
+        pool, path = self._route(url)
+        payload = _encode(method, path, pool.host_header, body, headers)
+        conn = await pool.acquire()
+        try:
+            await self._exchange(pool, conn, payload, timeout_s, until_complete=False)
+        except _Stale:
+            conn = await pool.acquire(fresh=True)
+            await self._exchange(pool, conn, payload, timeout_s, until_complete=False)
+        return StreamResponse(pool, conn)
+
+    async def _exchange(
+        self,
+        pool: _Pool,
+        conn: _Connection,
+        payload: bytes,
+        timeout_s: float | None,
+        until_complete: bool,
+    ) -> None:
+        try:
+            if conn.closed:
+                raise (_Stale if conn.reused else HttpError)("connection closed")
+            conn.start(payload, timeout_s or self.timeout_s, pool.loop)
+            while not (conn.complete if until_complete else conn.headers_done):
+                await conn.wait()
+        except BaseException:
+            conn.abort()
+            raise
+
+    def _route(self, url: str) -> tuple[_Pool, str]:
+        slash = url.find("/", 7)
+        prefix = url if slash < 0 else url[:slash]
+        path = "/" if slash < 0 else url[slash:]
+        pool = self._pools.get(prefix)
+        if pool is None:
+            pool = self._pools[prefix] = self._new_pool(prefix)
+        return pool, path
+
+    def _new_pool(self, prefix: str) -> _Pool:
+        if not prefix.startswith("http://"):
+            raise HttpError(f"only http:// URLs are supported: {prefix!r}")
+        hostport = prefix[7:]
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not port.isdigit():
+            host, port = hostport, "80"
+        host = host.strip("[]")
+        return _Pool(self, host, int(port))
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def _encode(
+    method: str,
+    path: str,
+    host: bytes,
+    body: bytes | None,
+    headers: Mapping[str, str] | None,
+) -> bytes:
+    head = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), b"host: ", host, b"\r\n"]
+    if body is not None:
+        head.append(b"content-length: %d\r\n" % len(body))
+    if headers:
+        for name, value in headers.items():
+            line = f"{name}: {value}\r\n"
+            if "\r" in line[:-2] or "\n" in line[:-2]:
+                raise ValueError(f"header {name!r} contains a line break")
+            head.append(line.encode("latin-1"))
+    head.append(b"\r\n")
+    if body:
+        head.append(body)
+    return b"".join(head)

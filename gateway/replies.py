@@ -1,0 +1,90 @@
+"""What the turn path answers, and how it goes out over raw ASGI.
+
+The turn endpoints are the gateway's hot path: they skip Starlette's response classes (and,
+for streams, the task group Starlette runs per streamed response) and send ASGI messages
+directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from kvturn.gateway.errors import GatewayError
+
+_JSON = b"application/json"
+_SSE = b"text/event-stream"
+
+
+class ReplyStream(Protocol):
+    """A streamed reply body."""
+
+    @property
+    def at_end(self) -> bool:
+        """Everything was handed out: the next ``next_chunk`` returns None."""
+
+    async def next_chunk(self) -> bytes | None:
+        """The next bytes to send as they arrived, or None at the end."""
+
+    async def aclose(self) -> None:
+        """Called exactly once when the relay ends, however it ends."""
+
+
+@dataclass(slots=True)
+class Reply:
+    """A response: a JSON body, or ``stream``, relayed as it comes (server-sent events)."""
+
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    stream: ReplyStream | None = None
+
+
+def error_reply(error: GatewayError) -> Reply:
+    return Reply(error.status, orjson.dumps(error.body()))
+
+
+async def send_reply(reply: Reply, receive: Any, send: Any) -> None:
+    extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
+    if reply.stream is None:
+        headers = [(b"content-type", _JSON), (b"content-length", b"%d" % len(reply.body)), *extra]
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    await _relay(reply.stream, reply.status, extra, receive, send)
+
+
+async def _relay(
+    stream: ReplyStream,
+    status: int,
+    extra: list[tuple[bytes, bytes]],
+    receive: Any,
+    send: Any,
+) -> None:
+    """Pass each chunk on as it arrives (the last one ends the response); stop as soon as the
+    client has gone. Who is gone is learnt from ``receive()`` (``http.disconnect``), watched
+    only once the reply spans several reads, so a reply that arrived whole costs no task."""
+    gone: asyncio.Task[Any] | None = None
+    try:
+        headers = [(b"content-type", _SSE), *extra]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        while True:
+            chunk = await stream.next_chunk()
+            if chunk is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            last = stream.at_end
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                return
+            if gone is None:
+                gone = asyncio.get_running_loop().create_task(receive())
+            elif gone.done():
+                return
+    finally:
+        if gone is not None:
+            gone.cancel()
+        await stream.aclose()

@@ -1,0 +1,278 @@
+"""The gateway's HTTP/1.1 client against scripted raw servers: framing, keep-alive, stale
+connections, streams, timeouts and failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from kvturn.gateway.http1 import HttpClient, HttpError
+
+
+class Server:
+    """Reads each request head (+ Content-Length body) and lets ``answer`` write the reply."""
+
+    def __init__(self, answer: Callable[[bytes, bytes, asyncio.StreamWriter], object]):
+        self.answer = answer
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                result = self.answer(head, body, writer)
+                if asyncio.iscoroutine(result):
+                    await result
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def serving(server: Server) -> AsyncIterator[str]:
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        listener.close()
+        for writer in server.writers:
+            writer.close()
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def chunked(*pieces: bytes) -> bytes:
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + framed + b"0\r\n\r\n"
+
+
+async def test_request_sends_body_and_headers_and_reuses_the_connection() -> None:
+    server = Server(lambda head, body, w: w.write(ok(b'{"echo": %d}' % len(body))))
+    client = HttpClient()
+    async with serving(server) as url:
+        for n in range(3):
+            response = await client.request(
+                "POST", f"{url}/v1/x?q=1", b"a" * n, {"X-Request-Id": f"r{n}"}
+            )
+            assert response.status == 200
+            assert response.json() == {"echo": n}
+            assert response.headers["content-length"] == str(len(response.body))
+    await client.close()
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /v1/x?q=1 HTTP/1.1\r\n")
+    assert b"\r\nx-request-id: r0\r\n" in first.lower()
+    assert first.endswith(b"\r\n\r\n")  # empty body
+    assert server.requests[2].endswith(b"\r\n\r\naa")
+
+
+async def test_parallel_requests_use_separate_connections() -> None:
+    async def slow(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.05)
+        writer.write(ok(body))
+
+    server = Server(slow)
+    client = HttpClient()
+    async with serving(server) as url:
+        answers = await asyncio.gather(
+            *(client.request("POST", url + "/", b"%d" % i) for i in range(5))
+        )
+    await client.close()
+    assert [a.body for a in answers] == [b"%d" % i for i in range(5)]
+    assert server.connections == 5
+
+
+async def test_chunked_response_is_streamed_and_read_whole() -> None:
+    server = Server(lambda head, body, w: w.write(chunked(b"data: a\n\n", b"data: b\n\n")))
+    client = HttpClient()
+    async with serving(server) as url:
+        whole = await client.request("GET", url + "/")
+        assert whole.body == b"data: a\n\ndata: b\n\n"
+        async with await client.open("GET", url + "/") as stream:
+            assert stream.status == 200
+            assert await stream.read() == b"data: a\n\ndata: b\n\n"
+            assert stream.at_end
+    await client.close()
+    assert server.connections == 1  # both exchanges on one keep-alive connection
+
+
+async def test_stream_chunks_arrive_as_they_are_sent() -> None:
+    release = asyncio.Event()
+
+    async def trickle(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+
+    server = Server(trickle)
+    client = HttpClient()
+    async with serving(server) as url:
+        stream = await client.open("POST", url + "/", b"{}")
+        assert await stream.next_chunk() == b"first"
+        assert not stream.at_end
+        release.set()
+        assert await stream.next_chunk() == b"second"
+        assert stream.at_end
+        assert await stream.next_chunk() is None
+        await stream.aclose()
+    await client.close()
+
+
+async def test_closing_a_stream_early_aborts_its_connection() -> None:
+    never = asyncio.Event()
+
+    async def hang(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+        await writer.drain()
+        await never.wait()
+
+    server = Server(hang)
+    client = HttpClient()
+    async with serving(server) as url:
+        stream = await client.open("POST", url + "/", b"{}")
+        assert await stream.next_chunk() == b"a"
+        await stream.aclose()
+        # The next exchange cannot use the half-read connection: it opens a new one.
+        server.answer = lambda head, body, w: w.write(ok(b"fresh"))
+        assert (await client.request("GET", url + "/")).body == b"fresh"
+    await client.close()
+    assert server.connections == 2
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_an_error() -> None:
+    def answer_then_close(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(ok(b"x"))  # keep-alive response, then the server drops the connection
+        writer.close()
+
+    server = Server(answer_then_close)
+    client = HttpClient()
+    async with serving(server) as url:
+        for _ in range(3):
+            assert (await client.request("POST", url + "/", b"{}")).body == b"x"
+            await asyncio.sleep(0.02)
+    await client.close()
+    assert server.connections == 3
+
+
+async def test_a_reused_connection_dropped_at_the_next_request_is_retried_once() -> None:
+    # The race behind keep-alive timeouts: the server drops an idle connection just as the
+    # next request goes out on it. No response byte came back, so the request never ran:
+    # it is sent again on a fresh connection and the caller never knows.
+    served: dict[int, int] = {}
+
+    def first_request_only(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        key = id(writer)
+        served[key] = served.get(key, 0) + 1
+        if served[key] == 1:
+            writer.write(ok(b"x"))
+        else:
+            writer.transport.abort()
+
+    server = Server(first_request_only)
+    client = HttpClient()
+    async with serving(server) as url:
+        for _ in range(3):
+            assert (await client.request("POST", url + "/", b"{}")).body == b"x"
+    await client.close()
+    assert server.connections == 3
+    assert len(server.requests) == 5  # 3 answered + 2 dropped on reused connections
+
+
+async def test_a_fresh_connection_dropped_before_answering_is_an_error() -> None:
+    client = HttpClient()
+    async with serving(Server(lambda head, body, w: w.transport.abort())) as url:
+        with pytest.raises(HttpError, match="before the response was complete"):
+            await client.request("POST", url + "/", b"{}")
+    await client.close()
+
+
+async def test_connection_refused_is_an_http_error() -> None:
+    listener = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    listener.close()
+    await listener.wait_closed()
+    client = HttpClient(connect_timeout_s=1)
+    with pytest.raises(HttpError, match="cannot connect"):
+        await client.request("GET", f"http://127.0.0.1:{port}/health")
+    await client.close()
+
+
+async def test_server_closing_mid_body_is_an_http_error() -> None:
+    def cut(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
+        writer.close()
+
+    client = HttpClient()
+    async with serving(Server(cut)) as url:
+        with pytest.raises(HttpError, match="before the response was complete"):
+            await client.request("GET", url + "/")
+    await client.close()
+
+
+async def test_timeout_covers_the_whole_exchange() -> None:
+    async def silent(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+
+    client = HttpClient()
+    async with serving(Server(silent)) as url:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(HttpError, match=r"no complete response within 0\.2 s"):
+            await client.request("GET", url + "/", timeout_s=0.2)
+        assert asyncio.get_running_loop().time() - started < 2
+    await client.close()
+
+
+async def test_malformed_response_is_an_http_error() -> None:
+    client = HttpClient()
+    async with serving(Server(lambda head, body, w: w.write(b"NOT HTTP AT ALL\r\n\r\n"))) as url:
+        with pytest.raises(HttpError, match="malformed"):
+            await client.request("GET", url + "/")
+    await client.close()
+
+
+async def test_header_values_with_line_breaks_are_refused() -> None:
+    client = HttpClient()
+    with pytest.raises(ValueError, match="line break"):
+        await client.request("GET", "http://127.0.0.1:9/", None, {"X-Evil": "a\r\nInjected: 1"})
+    await client.close()
+
+
+async def test_a_slow_stream_reader_pauses_reading() -> None:
+    big = b"x" * (256 * 1024)
+
+    async def flood(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(40):  # 10 MiB
+            writer.write(b"%x\r\n%s\r\n" % (len(big), big))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    client = HttpClient()
+    async with serving(Server(flood)) as url:
+        stream = await client.open("GET", url + "/")
+        await asyncio.sleep(0.3)  # the server writes as fast as it can; nobody reads
+        conn = stream._conn
+        assert conn is not None and conn.paused
+        assert conn.buffered < 4 * 1024 * 1024
+        total = len(await stream.read())
+        assert total == 40 * len(big)
+    await client.close()
