@@ -6,7 +6,8 @@ prefill (``kv_transfer_params`` for decode); otherwise like a decode (a short re
 not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn connector.
 ``/metrics`` answers like one vLLM engine (vllm-router reads it at start-up to count DP ranks);
 ``/fake/counts`` says how many prefill and decode requests it served (to check a router's
-P/D routing); any other GET is a 404.
+P/D routing), and how many slow streams (``fake_slow_stream``: one chunk per 20 ms) their
+reader abandoned; any other GET is a 404.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ Scope = dict[str, Any]
 
 _RETAINED: dict[str, dict[str, Any]] = {}
 _THROTTLED: set[str] = set()
-_COUNTS = {"prefill": 0, "decode": 0}
+_COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0}
 _PROMPT_TOKENS = 1000
 _METRICS = "".join(
     f'# TYPE vllm:{name} gauge\nvllm:{name}{{engine="0",model_name="fake"}} 0.0\n'
@@ -125,6 +126,9 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if not body.get("stream"):
         await _send_json(send, 200, _completion(request_id))
         return
+    if body.get("fake_slow_stream"):
+        await _slow_stream(request_id, int(body["fake_slow_stream"]), receive, send)
+        return
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
     for piece, finish in (("o", None), ("k", "stop")):
@@ -134,3 +138,24 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                     "more_body": True})  # fmt: skip
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _slow_stream(request_id: str, chunks: int, receive: Any, send: Any) -> None:
+    """``chunks`` SSE events 20 ms apart; counts the stream as abandoned if the reader leaves."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+    gone = asyncio.ensure_future(receive())
+    try:
+        for i in range(chunks):
+            chunk = {"id": request_id, "object": "chat.completion.chunk", "created": 0,
+                     "model": "fake", "choices": [{"index": 0, "delta": {"content": f"{i} "},
+                                                   "finish_reason": None}]}  # fmt: skip
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"data: {json.dumps(chunk)}\n\n".encode()})  # fmt: skip
+            await asyncio.sleep(0.02)
+            if gone.done():
+                _COUNTS["abandoned"] += 1
+                return
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    finally:
+        gone.cancel()

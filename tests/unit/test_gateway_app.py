@@ -134,6 +134,38 @@ def test_parallel_turns_never_share_retained_kv(gateway: str) -> None:
     assert plans == ["pull-reuse", "recompute"]
 
 
+def test_a_stream_is_relayed_chunk_by_chunk(gateway: str) -> None:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "fake_slow_stream": 5}  # fmt: skip
+    arrivals = []
+    with httpx.stream("POST", gateway + "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        assert response.headers["x-kvturn-plan"] == "recompute"
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append((time.perf_counter(), line))
+    assert [line for _, line in arrivals][-1] == "data: [DONE]"
+    assert len(arrivals) == 6
+    # Not buffered: the events arrive spread out as the engine sends them (20 ms apart).
+    assert arrivals[4][0] - arrivals[0][0] > 0.06
+
+
+def test_a_reader_leaving_a_stream_stops_it_at_the_engine(gateway: str, fake_url: str) -> None:
+    before = httpx.get(fake_url + "/fake/counts").json()["abandoned"]
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "fake_slow_stream": 200}  # 4 s if nobody stops it  # fmt: skip
+    with httpx.stream("POST", gateway + "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # The gateway notices the reader left, closes its stream to the engine, which stops.
+    deadline = time.monotonic() + 2
+    while httpx.get(fake_url + "/fake/counts").json()["abandoned"] == before:
+        assert time.monotonic() < deadline, "the engine kept streaming to nobody"
+        time.sleep(0.02)
+    # The gateway is fine afterwards.
+    assert _chat(gateway).status_code == 200
+
+
 def test_unknown_routes_and_methods_get_openai_errors(gateway: str) -> None:
     missing = httpx.get(gateway + "/v1/nope")
     assert missing.status_code == 404
