@@ -356,6 +356,16 @@ class TurnRunner:
             self.metrics.live_conversations.set(self.store.live_count())
 
 
+#: The event a streamed reply ends with when decode's stream breaks off mid-way.
+_STREAM_BROKE = (
+    b"data: "
+    + orjson.dumps(
+        UpstreamError("the decode engine's stream broke off before the reply was complete").body()
+    )
+    + b"\n\n"
+)
+
+
 class _Relay:
     """Decode's streamed reply on its way to the client (a :class:`~.replies.ReplyStream`):
     observes TTFT at the first chunk; when the stream ends or is closed, frees the instance
@@ -380,13 +390,24 @@ class _Relay:
         self.started = started
         self.first = True
         self.closed = False
+        self.broken = False
 
     @property
     def at_end(self) -> bool:
         return self.upstream.at_end
 
     async def next_chunk(self) -> bytes | None:
-        chunk = await next_chunk(self.upstream)
+        if self.broken:
+            return None
+        try:
+            chunk = await next_chunk(self.upstream)
+        except UpstreamUnavailable as error:
+            # Too late to retry the turn: tell the client the OpenAI way (the SDK raises an
+            # APIError for an error event) rather than cutting the connection.
+            logger.warning("decode's stream broke off: %s", error)
+            self.runner.metrics.upstream_errors_by["decode"].inc()
+            self.broken = True
+            return _STREAM_BROKE
         if chunk is not None and self.first:
             self.first = False
             self.runner.metrics.ttft_by[self.plan].observe(time.perf_counter() - self.started)

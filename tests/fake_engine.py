@@ -127,7 +127,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await _send_json(send, 200, _completion(request_id))
         return
     if body.get("fake_slow_stream"):
-        await _slow_stream(request_id, int(body["fake_slow_stream"]), receive, send)
+        chunks = int(body["fake_slow_stream"])
+        await _slow_stream(request_id, chunks, receive, send, body.get("fake_break_after"))
         return
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
@@ -140,13 +141,18 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
-async def _slow_stream(request_id: str, chunks: int, receive: Any, send: Any) -> None:
-    """``chunks`` SSE events 20 ms apart; counts the stream as abandoned if the reader leaves."""
+async def _slow_stream(
+    request_id: str, chunks: int, receive: Any, send: Any, break_after: int | None
+) -> None:
+    """``chunks`` SSE events 20 ms apart; counts the stream as abandoned if the reader leaves.
+    With ``break_after``, the engine fails after that many events (the connection drops)."""
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
     gone = asyncio.ensure_future(receive())
     try:
         for i in range(chunks):
+            if i == break_after:
+                raise RuntimeError("fake engine: stream breaks off (fake_break_after)")
             chunk = {"id": request_id, "object": "chat.completion.chunk", "created": 0,
                      "model": "fake", "choices": [{"index": 0, "delta": {"content": f"{i} "},
                                                    "finish_reason": None}]}  # fmt: skip

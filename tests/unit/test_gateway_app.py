@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from kvturn import control
@@ -163,6 +164,22 @@ def test_a_reader_leaving_a_stream_stops_it_at_the_engine(gateway: str, fake_url
         assert time.monotonic() < deadline, "the engine kept streaming to nobody"
         time.sleep(0.02)
     # The gateway is fine afterwards.
+    assert _chat(gateway).status_code == 200
+
+
+def test_a_stream_breaking_off_ends_with_an_openai_error_event(gateway: str) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        extra_body={"fake_slow_stream": 10, "fake_break_after": 3},
+    )
+    received = []
+    with pytest.raises(openai.APIError, match="stream broke off"):
+        for chunk in stream:
+            received.append(chunk.choices[0].delta.content)
+    assert received == ["0 ", "1 ", "2 "]
     assert _chat(gateway).status_code == 200
 
 
