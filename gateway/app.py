@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import orjson
@@ -51,6 +51,7 @@ class Gateway:
         )
         self.models: list[dict[str, Any]] = []
         self._model_names: frozenset[str] = frozenset()
+        self._health: asyncio.Task[None] | None = None
 
     async def refresh_models(self) -> None:
         for instance in self.prefill.healthy():
@@ -66,22 +67,43 @@ class Gateway:
     def model_names(self) -> frozenset[str]:
         return self._model_names
 
+    async def start(self) -> None:
+        """Open the engine client, learn the models, start health checks."""
+        await self.upstream.start()
+        await self.refresh_models()
+        self._health = asyncio.create_task(
+            check_health_forever(
+                [self.prefill, self.decode], self.upstream, self.config.health_interval_s
+            )
+        )
+
+    async def stop(self) -> None:
+        health, self._health = self._health, None
+        if health is not None:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+        await self.runner.close()
+        await self.upstream.close()
+
 
 #: The turn endpoints and the request field each requires.
-_TURN_PATHS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+TURN_PATHS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 
 #: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
 _TURN_HEADERS = {
     name.lower().encode("latin-1"): name
-    for name in ("content-length", h.CONVERSATION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND)
+    for name in (h.CONVERSATION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND)
 }
 
 
-class _TurnFastPath:
-    """Pure-ASGI entry for the turn endpoints (the hot path); everything else, lifespan
-    included, goes to the Starlette app. Skipping its middleware stack, router, request and
-    response classes saves a measurable share of the gateway's per-request cost."""
+class GatewayApp:
+    """The gateway as an ASGI app. The turn endpoints (the hot path) are answered here;
+    everything else, lifespan included, goes to the Starlette app (``self.app``).
+
+    :mod:`.http_server` serves the turn endpoints straight from the socket and uses this
+    only for the rest; any ASGI server can run it whole."""
 
     def __init__(self, app: Starlette, gateway: Gateway):
         self.app = app
@@ -89,38 +111,29 @@ class _TurnFastPath:
         self.state = app.state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        field = _TURN_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        field = TURN_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if field is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         try:
-            reply = await _serve_turn(self.gateway, scope, receive, field)
-        except Exception:
-            logger.exception("unexpected error serving %s", scope["path"])
-            reply = error_reply(GatewayError("internal gateway error"))
+            body = await _read_body(receive, self.gateway.config.max_body_bytes)
+        except GatewayError as error:
+            reply = error_reply(error)
+        else:
+            reply = await serve_turn(self.gateway, scope["path"], scope["headers"], body)
         await send_reply(reply, receive, send)
 
 
-def create_app(config: GatewayConfig) -> _TurnFastPath:
+def create_app(config: GatewayConfig) -> GatewayApp:
     gateway = Gateway(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gateway.upstream.start()
-        await gateway.refresh_models()
-        health = asyncio.create_task(
-            check_health_forever(
-                [gateway.prefill, gateway.decode], gateway.upstream, config.health_interval_s
-            )
-        )
+        await gateway.start()
         try:
             yield
         finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
-            await gateway.runner.close()
-            await gateway.upstream.close()
+            await gateway.stop()
 
     async def models(request: Request) -> Response:
         if not gateway.models:
@@ -182,7 +195,7 @@ def create_app(config: GatewayConfig) -> _TurnFastPath:
     conversations = "/v1" + control.CONVERSATIONS_PATH
     app = Starlette(
         routes=[
-            # The turn endpoints are served by _TurnFastPath; listed here for 405s on GET.
+            # The turn endpoints are served by GatewayApp; listed here for 405s on GET.
             Route("/v1/chat/completions", _method_not_allowed, methods=["POST"]),
             Route("/v1/completions", _method_not_allowed, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
@@ -198,50 +211,52 @@ def create_app(config: GatewayConfig) -> _TurnFastPath:
         },
     )
     app.state.gateway = gateway
-    return _TurnFastPath(app, gateway)
+    return GatewayApp(app, gateway)
 
 
-async def _serve_turn(gateway: Gateway, scope: Any, receive: Any, input_field: str) -> Reply:
+async def serve_turn(
+    gateway: Gateway, path: str, raw_headers: Iterable[tuple[bytes, bytes]], raw_body: bytes
+) -> Reply:
+    """One request to a turn endpoint (``path`` in ``TURN_PATHS``), whatever serves HTTP.
+    ``raw_headers`` as ASGI gives them (lower-case names, bytes)."""
     headers: dict[str, str] = {}
-    for name, value in scope["headers"]:
+    for name, value in raw_headers:
         wanted = _TURN_HEADERS.get(name)
         if wanted is not None:
             headers[wanted] = value.decode("latin-1")
     try:
-        body = await _read_json(
-            receive, headers.get("content-length"), gateway.config.max_body_bytes
-        )
-        _validate(body, input_field, gateway)
+        body = _parse_body(raw_body)
+        _validate(body, TURN_PATHS[path], gateway)
         conversation_id = _conversation_id(headers.get(h.CONVERSATION_ID), body)
         _record_pause(gateway, headers)
         turn_id = headers.get(h.TURN_ID)
         if turn_id is not None and len(turn_id) > 128:
             raise InvalidRequest("turn id is longer than 128 characters")
-        return await gateway.runner.run(Turn(scope["path"], body, conversation_id, turn_id))
+        return await gateway.runner.run(Turn(path, body, conversation_id, turn_id))
     except GatewayError as error:
         if error.status >= 500:
             logger.warning("turn failed: %s", error.message)
         return error_reply(error)
+    except Exception:
+        logger.exception("unexpected error serving %s", path)
+        return error_reply(GatewayError("internal gateway error"))
 
 
-async def _read_json(receive: Any, declared: str | None, limit: int) -> dict[str, Any]:
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request body is larger than {limit} bytes")
-    message = await receive()
-    raw = message.get("body", b"")
-    if message.get("more_body"):
-        chunks = [raw]
-        size = len(raw)
-        while message.get("more_body"):
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(f"request body is larger than {limit} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-    if len(raw) > limit:
-        raise BodyTooLarge(f"request body is larger than {limit} bytes")
+async def _read_body(receive: Any, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
@@ -304,7 +319,7 @@ def _record_pause(gateway: Gateway, headers: dict[str, str]) -> None:
 
 
 async def _method_not_allowed(request: Request) -> Response:
-    raise HTTPException(405)  # never reached for POST: _TurnFastPath answers those
+    raise HTTPException(405)  # never reached for POST: GatewayApp answers those
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
