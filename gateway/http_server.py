@@ -275,6 +275,8 @@ class _Connection(asyncio.Protocol):
         return head
 
     def _write_reply(self, request: _Request, reply: Reply) -> None:
+        if self.closed:
+            return
         head = self._head(request, reply.status, reply.headers)
         head.append(
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(reply.body)
@@ -287,14 +289,14 @@ class _Connection(asyncio.Protocol):
         as soon as the client is gone. A stream that arrived whole leaves in one write."""
         stream = reply.stream
         assert stream is not None
-        chunked = request.version != "1.0"
-        if not chunked:
-            request.keep_alive = False
-        head = self._head(request, reply.status, reply.headers)
-        head.append(b"content-type: text/event-stream\r\ncache-control: no-cache\r\n")
-        head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
-        end = b"0\r\n\r\n" if chunked else b""
         try:
+            chunked = request.version != "1.0"
+            if not chunked:
+                request.keep_alive = False
+            head = self._head(request, reply.status, reply.headers)
+            head.append(b"content-type: text/event-stream\r\ncache-control: no-cache\r\n")
+            head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
+            end = b"0\r\n\r\n" if chunked else b""
             while True:
                 chunk = await stream.next_chunk()
                 if self.closed:
