@@ -25,7 +25,10 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -> N
 
     async def main() -> None:
         server = HttpServer(create_app(config), host, port)
-        await server.start()
+        try:
+            await server.start()
+        except OSError as error:
+            raise SystemExit(f"kvturn serve: cannot listen on {host}:{port}: {error}") from None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
