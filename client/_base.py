@@ -12,35 +12,49 @@ import logging
 import threading
 import weakref
 from collections.abc import Mapping
-from contextvars import ContextVar
+from operator import itemgetter
 from typing import Any, Protocol
 
 from openai import APIResponse, AsyncAPIResponse
 from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
+from openai._types import NotGiven
 from openai._utils import is_given
+from openai.types.chat import ChatCompletion
 from pydantic import ValidationError
 
 from kvturn.control import CONVERSATIONS_PATH, HeartbeatRequest, HeartbeatResponse
 from kvturn.headers import (
     CONVERSATION_ID,
     LEASE_SECONDS,
-    PAUSE_KIND,
-    PAUSE_MS,
-    PLAN,
-    REUSED_TOKENS,
-    TURN_ID,
     is_valid_conversation_id,
 )
 
 from ._clock import Clock
-from ._conversation import Conversation, Turn, _current
-from ._headers import new_conversation_id, new_turn_id, turn_headers
+from ._conversation import Conversation, Turn, _current, sending_turn
+from ._headers import (
+    PAUSE_KIND_ITEMS,
+    PAUSE_MS_KEY,
+    PAUSE_MS_LOWER,
+    TURN_HEADER_KEYS,
+    HeaderItem,
+    new_conversation_id,
+    refill_turn_ids,
+    turn_id_pool,
+)
 from ._heartbeats import HeartbeatSchedule, ScheduledBeat
 from ._replies import asks_for_tools
 from ._settings import KvturnSettings
 
-__all__ = ["REFUSAL_STATUSES", "BaseKvturnClient", "KvturnCore"]
+__all__ = [
+    "REFUSAL_STATUSES",
+    "BaseKvturnClient",
+    "KvturnCore",
+    "names_turn_headers",
+    "observe_response_headers",
+    "sending_turn",
+    "tag_request_headers",
+]
 
 log = logging.getLogger("kvturn.client")
 
@@ -52,42 +66,96 @@ REFUSAL_STATUSES = frozenset({404, 405, 410, 501})
 #: up to this many; the oldest idle ones are forgotten beyond it.
 MAX_IDLE_CONVERSATIONS = 10_000
 
-_LEASE = LEASE_SECONDS.lower().encode()
-_PLAN = PLAN.lower().encode()
-_REUSED = REUSED_TOKENS.lower().encode()
-
-#: The turn whose request is being sent, for the hooks deeper in the SDK's call (response
-#: headers, stream construction): a context lookup instead of re-reading request headers.
-sending_turn: ContextVar[Turn | None] = ContextVar("kvturn_sending_turn", default=None)
-
+LEASE_KEY = LEASE_SECONDS.lower().encode()
 
 _CONVERSATION_ID_LOWER = CONVERSATION_ID.lower()
-_TURN_HEADER_KEYS = frozenset(
-    name.lower().encode("ascii") for name in (CONVERSATION_ID, TURN_ID, PAUSE_MS, PAUSE_KIND)
-)
+_lower_key = itemgetter(1)
 
 
-def _set_headers(headers: Any, values: dict[str, str]) -> None:
-    """``headers[k] = v`` for each of ``values`` (turn header names only), replacing any
-    same-named header."""
+def tag_request_headers(headers: Any, items: tuple[HeaderItem, ...], replace: bool = True) -> None:
+    """Put a turn's headers (raw ``items``) on a request's ``headers``; with ``replace``, any
+    same-named ones go first (without, the caller knows there are none)."""
     raw = getattr(headers, "_list", None)
     if type(raw) is list:
         # httpx/httpx2 keep (raw key, lower key, value) byte triples; each public
-        # __setitem__ rescans and re-decodes them all (~3 us a header, a third of kvturn's
-        # per-request cost). Same result: drop same-named entries, append ours.
-        if any(item[1] in _TURN_HEADER_KEYS for item in raw):
-            raw[:] = [item for item in raw if item[1] not in _TURN_HEADER_KEYS]
-        raw.extend(
-            (key.encode("ascii"), key.lower().encode("ascii"), value.encode("ascii"))
-            for key, value in values.items()
-        )
+        # __setitem__ rescans and re-encodes them all. Same result for a fraction of the cost:
+        # drop same-named entries, append ours as they are.
+        if replace and not TURN_HEADER_KEYS.isdisjoint(map(_lower_key, raw)):
+            raw[:] = [item for item in raw if item[1] not in TURN_HEADER_KEYS]
+        if headers._encoding is None:
+            # Worked out once, over every header, on first use (ASCII unless some value is
+            # not); ours are ASCII, so working it out before adding them gives the same answer
+            # without decoding them too.
+            headers.encoding  # noqa: B018
+        raw.extend(items)
         return
-    for key, value in values.items():
-        headers[key] = value
+    for name, _, value in items:
+        headers[name.decode("ascii")] = value.decode("ascii")
+
+
+def names_turn_headers(headers: Any) -> bool:
+    """Whether a mapping of header names holds any of the turn headers (any case)."""
+    return any(
+        isinstance(name, str) and name.lower().encode("ascii", "replace") in TURN_HEADER_KEYS
+        for name in headers
+    )
+
+
+def observe_response_headers(turn: Turn, headers: Any) -> None:
+    """Keep an attempt's response headers on ``turn`` (its plan and reused tokens are read from
+    them on demand) and take the lease length the gateway states."""
+    raw = getattr(headers, "_list", None)
+    if type(raw) is not list:
+        raw = [(key, key.lower(), value) for key, value in headers.raw]
+    turn.answer = raw
+    conversation = turn.conversation
+    at = conversation._lease_at
+    if at < len(raw) and raw[at][1] == LEASE_KEY:
+        value = raw[at][2]
+    else:  # first answer, or the headers moved: search them
+        for at, (_, key, value) in enumerate(raw):  # noqa: B007
+            if key == LEASE_KEY:
+                conversation._lease_at = at
+                break
+        else:
+            return
+    if value == conversation._lease_raw:
+        return
+    try:
+        seconds = float(value)
+    except ValueError:
+        return
+    conversation._lease_raw = value
+    if seconds > 0:
+        conversation.lease_seconds = seconds
+        conversation._beat = None  # plan the next pause's beats for the new lease
+
+
+def result_asks_for_tools(result: object) -> bool:
+    """Whether what ``request()`` returned (non-streamed) asks for tool calls."""
+    if type(result) is ChatCompletion:  # the common case first: no isinstance chain
+        for choice in result.choices:
+            if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
+                return True
+        return False
+    if isinstance(result, LegacyAPIResponse):
+        # with_raw_response (LangChain's path): the body is already read and parse() caches,
+        # so the caller's own parse() costs nothing extra.
+        try:
+            return asks_for_tools(result.parse())
+        except Exception:
+            return False
+    if isinstance(result, (APIResponse, AsyncAPIResponse)):
+        return False  # with_streaming_response: the body is not read yet
+    return asks_for_tools(result)
 
 
 class Worker(Protocol):
     """The heartbeat worker: a thread (sync) or a task (async)."""
+
+    #: Whether it must hear of every pause, even one its plan already covers (a task must
+    #: check that it still runs on the caller's loop).
+    wake_each_pause: bool
 
     def wake(self, deadline: float | None = None) -> None: ...
 
@@ -98,7 +166,7 @@ class KvturnCore:
     def __init__(self, settings: KvturnSettings, clock: Clock) -> None:
         self.settings = settings
         self.clock = clock
-        self.schedule = HeartbeatSchedule(settings)
+        self.schedule = HeartbeatSchedule(settings, self._pause_of)
         self.worker: Worker | None = None
         self.conversations: dict[str, Conversation] = {}
         #: Turns whose reply has not ended, by turn id: streams find theirs here.
@@ -106,6 +174,8 @@ class KvturnCore:
         #: False once the server refused a control call: it is not a kvturn gateway.
         self.control_available = True
         self.closed = False
+        #: Whether pauses get heartbeats: heartbeats on, control API there, client open.
+        self.beating = settings.heartbeats
         self._lock = threading.Lock()
 
     # -- conversation scopes ------------------------------------------------------------
@@ -178,17 +248,12 @@ class KvturnCore:
 
     # -- pauses and heartbeats ------------------------------------------------------------
 
-    def pause_started(self, conversation: Conversation, paused_at: float) -> None:
-        """Nothing of ``conversation`` is in flight any more: plan its beats."""
-        if not (self.settings.heartbeats and self.control_available) or self.closed:
-            return
-        if conversation.released:
-            return
-        first_beat = self.schedule.start(
-            conversation.id, paused_at=paused_at, lease_seconds=conversation.lease_seconds
-        )
-        if first_beat is not None and self.worker is not None:
-            self.worker.wake(first_beat)
+    def _pause_of(self, conversation_id: str) -> tuple[float, float] | None:
+        conversation = self.conversations.get(conversation_id)
+        if conversation is None:
+            return None
+        since = conversation._pauses.paused_since()
+        return None if since is None else (since, conversation.lease_seconds)
 
     def heartbeat_body(self, entry: ScheduledBeat) -> tuple[Conversation, HeartbeatRequest] | None:
         """What to send for a due beat, or ``None`` if the pause is over or beats are off."""
@@ -228,6 +293,7 @@ class KvturnCore:
                     what,
                 )
             self.control_available = False
+            self.beating = False
             self.schedule.clear()
             return True
         log.warning(
@@ -241,6 +307,7 @@ class KvturnCore:
     def close(self) -> None:
         """Stop planning beats; the owning client stops the worker."""
         self.closed = True
+        self.beating = False
         self.schedule.clear()
 
 
@@ -248,6 +315,8 @@ class BaseKvturnClient:
     """Turn bookkeeping shared by ``OpenAI`` and ``AsyncOpenAI`` (mixed in before them)."""
 
     _kvturn: KvturnCore
+    #: Whether the client's own default headers (SDK or HTTP client level) name a turn header.
+    _kvturn_replace_headers: bool = False
 
     @property
     def kvturn_settings(self) -> KvturnSettings:
@@ -259,12 +328,7 @@ class BaseKvturnClient:
         """Conversations open or kept (left without release), by id. Read-only view."""
         return self._kvturn.conversations
 
-    def _kvturn_conversation_for(self, options: FinalRequestOptions) -> Conversation | None:
-        if options.url.startswith(CONVERSATIONS_PATH):
-            return None  # control calls are not turns
-        conversation = _current.get()
-        if conversation is not None:
-            return conversation
+    def _kvturn_named_conversation(self, options: FinalRequestOptions) -> Conversation | None:
         # Code that cannot carry a context (a thread pool without copy_context) can still name
         # an open conversation with the header itself.
         if is_given(options.headers):
@@ -277,86 +341,78 @@ class BaseKvturnClient:
         """Start a turn for a request made inside a conversation (``None`` outside one).
 
         Called once per logical request, before the SDK's retry loop; every attempt then gets
-        this turn's headers (see ``_kvturn_tag``), so all retries share the turn id.
+        this turn's headers (see ``_send_request``), so all retries share the turn id. Kept to
+        few calls and few objects: it runs amid ~1 ms of SDK work, with cold caches, where
+        each step costs several times what it does in a hot loop.
         """
-        conversation = self._kvturn_conversation_for(options)
+        conversation = _current.get()
         if conversation is None:
-            return None
+            conversation = self._kvturn_named_conversation(options)
+            if conversation is None:
+                return None
+        if options.url.startswith(CONVERSATIONS_PATH):
+            return None  # control calls are not turns
         # Beats of the pause that ends here stop by themselves: a due beat finds a request in
         # flight and drops its plan, and the next pause replaces it. Not touching the schedule
         # here keeps the heartbeat worker asleep in steady state.
-        pause = conversation._pauses.begin_request()
-        turn_id = new_turn_id()
-        turn = Turn(
-            conversation.id,
-            turn_id,
-            pause,
-            conversation,
-            headers=turn_headers(conversation.id, turn_id, pause),
+        pause = conversation._pauses.begin_turn()
+        try:
+            turn_id, turn_id_item = turn_id_pool.pop()
+        except IndexError:
+            refill_turn_ids()
+            turn_id, turn_id_item = turn_id_pool.pop()
+        if pause is None:
+            items: tuple[HeaderItem, ...] = (conversation._id_item, turn_id_item)
+        else:
+            items = (
+                conversation._id_item,
+                turn_id_item,
+                (PAUSE_MS_KEY, PAUSE_MS_LOWER, str(pause[0]).encode("ascii")),
+                PAUSE_KIND_ITEMS[pause[1]],
+            )
+        # Whether a header of ours may already be on the request (set by the caller, or among
+        # the client's default headers): only then is each attempt's request searched for it.
+        headers = options.headers
+        replace = self._kvturn_replace_headers or (
+            type(headers) is not NotGiven and names_turn_headers(headers)
         )
-        conversation._record(turn)
-        self._kvturn.open_turns[turn_id] = turn
+        turn = Turn(conversation, turn_id, pause, items, replace)
+        conversation._history.append(turn)
         return turn
 
-    @staticmethod
-    def _kvturn_tag(request: Any) -> None:
-        """Add the sending turn's headers to one attempt's HTTP request.
-
-        Done on the built ``httpx2.Request`` (the SDK's ``_prepare_request`` hook) rather than
-        through the request options: the options path costs the SDK about twice as much per
-        header (merging, validation, re-normalising) and needs a copy of the options.
-        """
-        turn = sending_turn.get()
-        if turn is not None:
-            _set_headers(request.headers, turn.headers)
-
     def _kvturn_open_turn(self, turn_id: str | None) -> Turn | None:
-        turn = sending_turn.get()
-        if turn is not None:
-            return turn
-        # A stream parsed after its request returned (with_raw_response): find it by its id.
+        """The unfinished turn ``turn_id`` of a raw response, for its stream."""
         return None if turn_id is None else self._kvturn.open_turns.get(turn_id)
 
-    def _kvturn_finish(self, turn: Turn, *, tool_calls: bool) -> None:
+    def _kvturn_finish(self, turn: Turn, tool_calls: bool) -> None:
         """The reply of ``turn`` ended (returned, stream exhausted or closed, or failed)."""
         if turn.finished:
             return
         turn.finished = True
         turn.tool_calls = tool_calls
-        self._kvturn.open_turns.pop(turn.turn_id, None)
+        if turn.awaits_stream:
+            self._kvturn.open_turns.pop(turn.turn_id, None)
         conversation = turn.conversation
-        paused_at = conversation._pauses.end_reply(tool_calls=tool_calls)
-        if paused_at is not None:
-            conversation._core.pause_started(conversation, paused_at)
-
-    def _kvturn_observe(self, turn: Turn, headers: Any) -> None:
-        """Read what the gateway says about ``turn`` from an attempt's response headers."""
-        # One pass over the raw list: three Headers.get() calls would cost ~10x more.
-        for key, value in headers.raw:
-            key = key.lower()
-            if not key.startswith(b"x-kvturn-"):
-                continue
-            if key == _LEASE:
-                try:
-                    seconds = float(value)
-                except ValueError:
-                    continue
-                if seconds > 0:
-                    turn.conversation.lease_seconds = seconds
-            elif key == _PLAN:
-                turn.plan = value.decode("latin-1")
-            elif key == _REUSED and value.isdigit():
-                turn.reused_tokens = int(value)
-
-    @staticmethod
-    def _kvturn_result_asks_for_tools(result: object) -> bool:
-        if isinstance(result, LegacyAPIResponse):
-            # with_raw_response (LangChain's path): the body is already read and parse() caches,
-            # so the caller's own parse() costs nothing extra.
-            try:
-                return asks_for_tools(result.parse())
-            except Exception:
-                return False
-        if isinstance(result, (APIResponse, AsyncAPIResponse)):
-            return False  # with_streaming_response: the body is not read yet
-        return asks_for_tools(result)
+        paused_at = conversation._pauses.end_reply(tool_calls)
+        if paused_at is None:
+            return
+        # Nothing of the conversation is in flight any more: its beats must be planned. In
+        # steady state (replies seconds apart, a lease of tens of seconds) its plan's next beat
+        # already comes within this pause's first interval, and the schedule re-plans it from
+        # this pause when it comes due: nothing to do here.
+        beat = conversation._beat
+        if (
+            beat is not None
+            and paused_at < beat.next_at <= paused_at + conversation._first_beat_after
+        ):
+            if conversation._wake_each_pause:
+                conversation._core.worker.wake(beat.next_at)  # type: ignore[union-attr]
+            return
+        core = conversation._core
+        if not core.beating or conversation.released:
+            return
+        beat = conversation._beat = core.schedule.pause_began(
+            conversation.id, paused_at, conversation._lease_seconds
+        )
+        if beat is not None and core.worker is not None:
+            core.worker.wake(beat.next_at)

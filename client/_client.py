@@ -3,32 +3,46 @@
 They hook the SDK's documented extension points. ``request()`` wraps one logical request,
 retries included: it starts the turn (a turn id every retry reuses, the pause before it) and
 ends it when the reply ends, swapping in stream classes that notice exhaustion or closing.
-``_prepare_request()`` puts the turn's headers on each attempt's HTTP request, and
-``_send_request()`` reads each attempt's response headers (lease length, plan, reused tokens).
+``_send_request()`` puts the turn's headers on each attempt's HTTP request and (sync) reads
+each attempt's response headers: lease length, plan, reused tokens (the async client reads the
+last attempt's, in ``_process_response()``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Coroutine
 from contextvars import Token
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import httpx2
 import openai
+from openai import AsyncStream, Stream
+from openai._constants import RAW_RESPONSE_HEADER
 from openai._models import FinalRequestOptions
 from openai._types import RequestOptions
+from openai.types.chat import ChatCompletion
 
 from kvturn.control import HeartbeatRequest, heartbeat_path, release_path
 
-from ._base import BaseKvturnClient, KvturnCore, sending_turn
+from ._base import (
+    LEASE_KEY,
+    BaseKvturnClient,
+    KvturnCore,
+    names_turn_headers,
+    observe_response_headers,
+    result_asks_for_tools,
+    sending_turn,
+    tag_request_headers,
+)
 from ._clock import Clock, monotonic_clock
 from ._conversation import Conversation, _current
 from ._headers import new_conversation_id
 from ._heartbeats import HeartbeatTask, HeartbeatThread, ScheduledBeat
 from ._settings import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAUSE_SECONDS, KvturnSettings
-from ._streams import tracked_stream_cls
+from ._streams import tracked_classes, tracked_stream_cls
 
 __all__ = ["AsyncConversationScope", "AsyncOpenAI", "ConversationScope", "OpenAI"]
 
@@ -117,6 +131,9 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
                 _kvturn_core.schedule, _sync_beat(_kvturn_core), _kvturn_core.clock
             )
         self._kvturn = _kvturn_core
+        self._kvturn_replace_headers = names_turn_headers(self._custom_headers) or (
+            names_turn_headers(self._client.headers)
+        )
 
     def conversation(
         self, id: str | None = None, *, release: bool | None = None
@@ -169,32 +186,75 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
         turn = self._kvturn_begin(options)
         if turn is None:
             return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
-        tracked = tracked_stream_cls(stream_cls, asynchronous=False) if stream else None
+        tracked = None
+        raw_response = False
+        if stream:
+            known = tracked_classes.get(id(stream_cls))  # tracked_stream_cls(), once made
+            if known is not None and known[0] is stream_cls:
+                tracked = known[1]
+            else:
+                tracked = tracked_stream_cls(stream_cls, asynchronous=False)
+            headers = options.headers
+            raw_response = type(headers) is dict and RAW_RESPONSE_HEADER in headers
         token = sending_turn.set(turn)
         try:
-            result = super().request(
-                cast_to, options, stream=stream, stream_cls=tracked or stream_cls
+            # A raw response builds its stream when the caller parses it: it gets the tracked
+            # class. A plain one is built by the SDK's own class (a tracked class would cost it
+            # a longer type lookup) and becomes a tracked stream right after.
+            result: Any = super().request(
+                cast_to, options, stream=stream, stream_cls=tracked if raw_response else stream_cls
             )
         except BaseException:
-            self._kvturn_finish(turn, tool_calls=False)
+            self._kvturn_finish(turn, False)
             raise
         finally:
             sending_turn.reset(token)
         if tracked is None:
-            self._kvturn_finish(turn, tool_calls=self._kvturn_result_asks_for_tools(result))
+            if type(result) is ChatCompletion:  # result_asks_for_tools(), inline
+                tools = False
+                for choice in result.choices:
+                    if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
+                        tools = True
+            else:
+                tools = result_asks_for_tools(result)
+            self._kvturn_finish(turn, tools)
+        elif type(result) is Stream:
+            result.__class__ = tracked  # same layout: a subclass adding only methods
+            result._kvturn_turn = turn  # type: ignore[attr-defined]  # its end ends the turn
+        elif raw_response:
+            # The stream is built when the caller parses the response, and finds the turn by
+            # its id.
+            turn.awaits_stream = True
+            self._kvturn.open_turns[turn.turn_id] = turn
+        else:  # not a stream after all: nothing will tell when the reply ends
+            self._kvturn_finish(turn, False)
         return result
-
-    def _prepare_request(self, request: httpx2.Request) -> None:
-        super()._prepare_request(request)
-        self._kvturn_tag(request)
 
     def _send_request(
         self, request: httpx2.Request, *, stream: bool, **kwargs: Any
     ) -> httpx2.Response:
-        response = super()._send_request(request, stream=stream, **kwargs)
+        # Each attempt of a turn: its headers go on here (the last hook before sending; one
+        # override instead of two with _prepare_request), its answer is read on return.
         turn = sending_turn.get()
-        if turn is not None:
-            self._kvturn_observe(turn, response.headers)
+        if turn is None:
+            return super()._send_request(request, stream=stream, **kwargs)
+        headers = request.headers
+        if turn.replace_headers:
+            tag_request_headers(headers, turn.header_items)
+        else:  # tag_request_headers() inline, without the search for same-named headers
+            if headers._encoding is None:
+                headers.encoding  # noqa: B018  (see tag_request_headers)
+            headers._list.extend(turn.header_items)
+        response = super()._send_request(request, stream=stream, **kwargs)
+        # observe_response_headers() inline, for its common case: the lease as last time.
+        raw = response.headers._list
+        turn.answer = raw
+        conversation = turn.conversation
+        at = conversation._lease_at
+        if not (
+            at < len(raw) and raw[at][1] == LEASE_KEY and raw[at][2] == conversation._lease_raw
+        ):
+            observe_response_headers(turn, response.headers)
         return response
 
     # -- control API --------------------------------------------------------------------------
@@ -298,6 +358,9 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                 _kvturn_core.schedule, _async_beat(_kvturn_core), _kvturn_core.clock
             )
         self._kvturn = _kvturn_core
+        self._kvturn_replace_headers = names_turn_headers(self._custom_headers) or (
+            names_turn_headers(self._client.headers)
+        )
 
     def conversation(
         self, id: str | None = None, *, release: bool | None = None
@@ -345,33 +408,98 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         turn = self._kvturn_begin(options)
         if turn is None:
             return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
-        tracked = tracked_stream_cls(stream_cls, asynchronous=True) if stream else None
+        tracked = None
+        raw_response = False
+        if stream:
+            known = tracked_classes.get(id(stream_cls))  # tracked_stream_cls(), once made
+            if known is not None and known[0] is stream_cls:
+                tracked = known[1]
+            else:
+                tracked = tracked_stream_cls(stream_cls, asynchronous=True)
+            headers = options.headers
+            raw_response = type(headers) is dict and RAW_RESPONSE_HEADER in headers
         token = sending_turn.set(turn)
         try:
-            result = await super().request(
-                cast_to, options, stream=stream, stream_cls=tracked or stream_cls
+            # A raw response builds its stream when the caller parses it: it gets the tracked
+            # class. A plain one is built by the SDK's own class (a tracked class would cost it
+            # a longer type lookup) and becomes a tracked stream right after.
+            result: Any = await super().request(
+                cast_to, options, stream=stream, stream_cls=tracked if raw_response else stream_cls
             )
         except BaseException:
-            self._kvturn_finish(turn, tool_calls=False)
+            self._kvturn_finish(turn, False)
             raise
         finally:
             sending_turn.reset(token)
         if tracked is None:
-            self._kvturn_finish(turn, tool_calls=self._kvturn_result_asks_for_tools(result))
+            if type(result) is ChatCompletion:  # result_asks_for_tools(), inline
+                tools = False
+                for choice in result.choices:
+                    if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
+                        tools = True
+            else:
+                tools = result_asks_for_tools(result)
+            self._kvturn_finish(turn, tools)
+        elif type(result) is AsyncStream:
+            result.__class__ = tracked  # same layout: a subclass adding only methods
+            result._kvturn_turn = turn  # type: ignore[attr-defined]  # its end ends the turn
+        elif raw_response:
+            # The stream is built when the caller parses the response, and finds the turn by
+            # its id.
+            turn.awaits_stream = True
+            self._kvturn.open_turns[turn.turn_id] = turn
+        else:  # not a stream after all: nothing will tell when the reply ends
+            self._kvturn_finish(turn, False)
         return result
 
-    async def _prepare_request(self, request: httpx2.Request) -> None:
-        await super()._prepare_request(request)
-        self._kvturn_tag(request)
+    # Both hooks are plain functions handing back the SDK's coroutine: an ``async def``
+    # override would add a coroutine of its own to every attempt.
 
-    async def _send_request(
+    def _send_request(  # type: ignore[override]
         self, request: httpx2.Request, *, stream: bool, **kwargs: Any
-    ) -> httpx2.Response:
-        response = await super()._send_request(request, stream=stream, **kwargs)
+    ) -> Coroutine[Any, Any, httpx2.Response]:
+        # Each attempt of a turn: its headers go on here, the last hook before sending.
         turn = sending_turn.get()
         if turn is not None:
-            self._kvturn_observe(turn, response.headers)
-        return response
+            headers = request.headers
+            if turn.replace_headers:
+                tag_request_headers(headers, turn.header_items)
+            else:  # tag_request_headers() inline, without the search for same-named headers
+                if headers._encoding is None:
+                    headers.encoding  # noqa: B018  (see tag_request_headers)
+                headers._list.extend(turn.header_items)
+        return super()._send_request(request, stream=stream, **kwargs)
+
+    def _process_response(  # type: ignore[override]
+        self,
+        *,
+        cast_to: Any,
+        options: FinalRequestOptions,
+        response: httpx2.Response,
+        stream: bool,
+        stream_cls: Any,
+        retries_taken: int = 0,
+    ) -> Coroutine[Any, Any, Any]:
+        # The answer of the turn's last attempt (earlier ones failed and were retried).
+        turn = sending_turn.get()
+        if turn is not None:
+            # observe_response_headers() inline, for its common case: the lease as last time.
+            raw = response.headers._list
+            turn.answer = raw
+            conversation = turn.conversation
+            at = conversation._lease_at
+            if not (
+                at < len(raw) and raw[at][1] == LEASE_KEY and raw[at][2] == conversation._lease_raw
+            ):
+                observe_response_headers(turn, response.headers)
+        return super()._process_response(
+            cast_to=cast_to,
+            options=options,
+            response=response,
+            stream=stream,
+            stream_cls=stream_cls,
+            retries_taken=retries_taken,
+        )
 
     # -- control API --------------------------------------------------------------------------
 

@@ -6,14 +6,17 @@ import threading
 import weakref
 from collections import deque
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvturn.headers import CONVERSATION_ID, PLAN, REUSED_TOKENS, PauseKind
+
 from ._clock import Clock
+from ._headers import HeaderItem, header_item
 from ._pauses import Pause, PauseTracker
 
 if TYPE_CHECKING:
     from ._base import KvturnCore
+    from ._heartbeats import ScheduledBeat
 
 __all__ = ["Conversation", "Turn", "current_conversation"]
 
@@ -22,24 +25,84 @@ __all__ = ["Conversation", "Turn", "current_conversation"]
 TURN_HISTORY = 64
 
 
-@dataclass(slots=True, eq=False)
+_PLAN = PLAN.lower().encode("ascii")
+_REUSED = REUSED_TOKENS.lower().encode("ascii")
+
+
+def _answer_value(answer: list[HeaderItem] | None, lower_name: bytes) -> bytes | None:
+    if answer:
+        for _, key, value in answer:
+            if key == lower_name:
+                return value
+    return None
+
+
 class Turn:
     """One request of a conversation (all its SDK retries share the turn id) and its outcome."""
 
-    conversation_id: str
-    turn_id: str
-    #: The pause before this turn, as sent in the headers (``None`` on a first/parallel turn).
-    pause: Pause | None
-    conversation: Conversation = field(repr=False, compare=False)
-    #: What the gateway did (``X-Kvturn-Plan``), if it said.
-    plan: str | None = None
-    #: Prompt tokens served from kept KV (``X-Kvturn-Reused-Tokens``), if the gateway said.
-    reused_tokens: int | None = None
+    # One is made per request: only what differs between turns is set when it is made, the
+    # rest reads from these class-level defaults until set.
     #: Whether the reply asked for tool calls (known once finished).
     tool_calls: bool = False
-    #: The headers every attempt of this turn carries.
-    headers: dict[str, str] = field(default_factory=dict, repr=False)
-    finished: bool = field(default=False, repr=False)
+    #: The response headers of the turn's last attempt (httpx's raw triples), read on demand.
+    answer: list[HeaderItem] | None = None
+    finished: bool = False
+    #: Whether a stream to be built later (a raw response's) will end it: findable by id.
+    awaits_stream: bool = False
+
+    def __init__(
+        self,
+        conversation: Conversation,
+        turn_id: str,
+        pause_sent: tuple[int, PauseKind] | None,
+        header_items: tuple[HeaderItem, ...],
+        replace_headers: bool = False,
+    ) -> None:
+        self.conversation = conversation
+        self.turn_id = turn_id
+        #: The pause before this turn as ``(ms, kind)``, as sent in the headers (see ``pause``).
+        self.pause_sent = pause_sent
+        #: The headers every attempt of this turn carries, in httpx's raw form (made once per
+        #: turn, appended as they are to each attempt's request).
+        self.header_items = header_items
+        #: Whether the request must drop same-named headers before adding these (the caller or
+        #: the client's default headers set one of them).
+        self.replace_headers = replace_headers
+
+    @property
+    def conversation_id(self) -> str:
+        """The id of the conversation the turn belongs to."""
+        return self.conversation.id
+
+    @property
+    def pause(self) -> Pause | None:
+        """The pause before this turn, as sent in the headers (``None`` on a first or parallel
+        turn)."""
+        return None if self.pause_sent is None else Pause(*self.pause_sent)
+
+    @property
+    def plan(self) -> str | None:
+        """What the gateway did (``X-Kvturn-Plan``), if it said."""
+        value = _answer_value(self.answer, _PLAN)
+        return None if value is None else value.decode("latin-1")
+
+    @property
+    def reused_tokens(self) -> int | None:
+        """Prompt tokens served from kept KV (``X-Kvturn-Reused-Tokens``), if the gateway said."""
+        value = _answer_value(self.answer, _REUSED)
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every attempt of this turn carries."""
+        return {name.decode(): value.decode() for name, _, value in self.header_items}
+
+    def __repr__(self) -> str:
+        return (
+            f"Turn(conversation_id={self.conversation_id!r}, turn_id={self.turn_id!r}, "
+            f"pause={self.pause!r}, plan={self.plan!r}, reused_tokens={self.reused_tokens!r}, "
+            f"tool_calls={self.tool_calls!r})"
+        )
 
 
 class Conversation:
@@ -52,18 +115,28 @@ class Conversation:
         self, conversation_id: str, *, core: KvturnCore, clock: Clock, lease_seconds: float
     ) -> None:
         self.id = conversation_id
-        #: Seconds the gateway keeps the conversation's KV without a turn or heartbeat (its
-        #: ``X-Kvturn-Lease-Seconds``, or the client's default until it has said).
-        self.lease_seconds = lease_seconds
+        # Its X-Conversation-Id header, made once (ids are validated ASCII).
+        self._id_item = header_item(CONVERSATION_ID, conversation_id)
         self._core = core
+        self.lease_seconds = lease_seconds
+        # Where the lease header sat in the last response's headers, and its raw value: the
+        # gateway answers alike each time, so reading it is a look at one place, no search.
+        self._lease_at = 0
+        self._lease_raw: bytes | None = None
+        # Its heartbeat plan as last seen by the client (the schedule owns it): a pause that
+        # begins while the plan's beat is due within the pause's first interval needs nothing.
+        self._beat: ScheduledBeat | None = None
+        worker = core.worker
+        self._wake_each_pause = worker is not None and worker.wake_each_pause
         # The client whose scope opened it last: heartbeats go out through that client.
         self._owner: weakref.ref[Any] | None = None
         self._pauses = PauseTracker(clock)
+        # Appended to without a lock (one atomic deque operation); read through copy(), which
+        # is atomic too.
         self._history: deque[Turn] = deque(maxlen=TURN_HISTORY)
         self._lock = threading.Lock()
         self._scopes = 0
         self._tools_running = 0
-        self.turn_count = 0
         #: True once the client has asked the gateway to release the conversation.
         self.released = False
 
@@ -71,21 +144,39 @@ class Conversation:
         return f"<Conversation {self.id!r} turns={self.turn_count} in_flight={self.in_flight}>"
 
     @property
+    def lease_seconds(self) -> float:
+        """Seconds the gateway keeps the conversation's KV without a turn or heartbeat (its
+        ``X-Kvturn-Lease-Seconds``, or the client's default until it has said)."""
+        return self._lease_seconds
+
+    @lease_seconds.setter
+    def lease_seconds(self, seconds: float) -> None:
+        self._lease_seconds = seconds
+        # When the first beat of a pause is due: half the lease, one lost beat still leaves
+        # time for the next (never more often than the client's floor).
+        floor = self._core.settings.min_heartbeat_interval_seconds
+        self._first_beat_after = seconds / 2 if seconds / 2 > floor else floor
+
+    @property
     def in_flight(self) -> int:
         """Requests started and not yet finished."""
         return self._pauses.in_flight
 
     @property
+    def turn_count(self) -> int:
+        """Requests (turns) started in this conversation so far."""
+        return self._pauses.begun
+
+    @property
     def turns(self) -> tuple[Turn, ...]:
         """The most recent turns, oldest first (at most 64)."""
-        with self._lock:
-            return tuple(self._history)
+        return tuple(self._history.copy())
 
     @property
     def last_turn(self) -> Turn | None:
         """The most recent turn, if any."""
-        with self._lock:
-            return self._history[-1] if self._history else None
+        history = self._history.copy()
+        return history[-1] if history else None
 
     @property
     def tools_running(self) -> int:
@@ -111,15 +202,12 @@ class Conversation:
         with self._lock:
             self._tools_running = max(0, self._tools_running - 1)
 
-    # The client drives the rest; these are not for agent code.
-
-    def _record(self, turn: Turn) -> None:
-        with self._lock:
-            self.turn_count += 1
-            self._history.append(turn)
-
 
 _current: ContextVar[Conversation | None] = ContextVar("kvturn_conversation", default=None)
+
+#: The turn whose request is being sent, for the hooks deeper in the SDK's call (each attempt's
+#: HTTP request and response).
+sending_turn: ContextVar[Turn | None] = ContextVar("kvturn_sending_turn", default=None)
 
 
 def current_conversation() -> Conversation | None:

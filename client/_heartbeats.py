@@ -41,12 +41,25 @@ class ScheduledBeat:
     sent: int = 0
 
 
-class HeartbeatSchedule:
-    """Which paused conversations need a beat when. Thread-safe."""
+#: Where a conversation's pause began and its lease length (``None`` while it is not paused).
+PauseOf = Callable[[str], "tuple[float, float] | None"]
 
-    def __init__(self, settings: KvturnSettings) -> None:
+
+class HeartbeatSchedule:
+    """Which paused conversations need a beat when. Thread-safe.
+
+    With ``pause_of`` the schedule plans lazily: a pause that begins while its conversation's
+    plan already has a beat due no later than this pause needs leaves the plan as it is (no
+    lock taken: in steady state every reply ends a pause), and :meth:`take_due` re-plans from
+    the latest pause's start when that beat comes due.
+    """
+
+    def __init__(self, settings: KvturnSettings, pause_of: PauseOf | None = None) -> None:
         self._settings = settings
-        self._lock = threading.Lock()
+        self._pause_of = pause_of
+        # Re-entrant: an allocation under it may run the garbage collector, whose finalizers
+        # (an abandoned stream ending its turn) can plan beats on the same thread.
+        self._lock = threading.RLock()
         self._entries: dict[str, ScheduledBeat] = {}
 
     def __len__(self) -> int:
@@ -55,35 +68,78 @@ class HeartbeatSchedule:
     def __contains__(self, conversation_id: object) -> bool:
         return conversation_id in self._entries
 
+    def _interval(self, lease_seconds: float) -> float:
+        # Half the lease: one lost beat still leaves time for the next before expiry.
+        interval = lease_seconds / 2
+        floor = self._settings.min_heartbeat_interval_seconds
+        return interval if interval > floor else floor
+
+    def pause_began(
+        self, conversation_id: str, paused_at: float, lease_seconds: float
+    ) -> ScheduledBeat | None:
+        """A pause began: see that its beats are planned. Returns the conversation's plan
+        (whose ``next_at`` is when its next beat is due), or ``None`` if no beat fits before
+        the maximum pause."""
+        if self._pause_of is not None:
+            # A plain read (dict.get is atomic): the worker may be re-planning this entry or
+            # sending its beat (next_at is then +inf, and the comparison fails).
+            entry = self._entries.get(conversation_id)
+            if entry is not None and entry.next_at <= paused_at + self._interval(lease_seconds):
+                return entry
+        return self._plan(conversation_id, paused_at, lease_seconds)
+
     def start(
         self, conversation_id: str, *, paused_at: float, lease_seconds: float
     ) -> float | None:
         """Plan beats for a pause that began at ``paused_at``: when the first is due, or
         ``None`` if none fits before the maximum pause."""
-        interval = max(lease_seconds / 2, self._settings.min_heartbeat_interval_seconds)
-        entry = ScheduledBeat(
-            conversation_id=conversation_id,
-            paused_at=paused_at,
-            # Half the lease: one lost beat still leaves time for the next before expiry.
-            next_at=paused_at + interval,
-            stop_at=paused_at + self._settings.max_pause_seconds,
-            interval=interval,
-        )
+        entry = self._plan(conversation_id, paused_at, lease_seconds)
+        return None if entry is None else entry.next_at
+
+    def _plan(
+        self, conversation_id: str, paused_at: float, lease_seconds: float
+    ) -> ScheduledBeat | None:
+        interval = self._interval(lease_seconds)
+        next_at = paused_at + interval
+        stop_at = paused_at + self._settings.max_pause_seconds
+        entries = self._entries
+        if next_at >= stop_at:
+            self.stop(conversation_id)
+            return None
         with self._lock:
-            if entry.next_at >= entry.stop_at:
-                self._entries.pop(conversation_id, None)
-                return None
-            self._entries[conversation_id] = entry
-            return entry.next_at
+            entry = entries.get(conversation_id)
+            # Reuse the conversation's plan object, unless its beat is on the wire (next_at is
+            # +inf), whose rescheduling must then find a new object and leave it alone.
+            if entry is not None and entry.next_at != math.inf:
+                entry.paused_at = paused_at
+                entry.next_at = next_at
+                entry.stop_at = stop_at
+                entry.interval = interval
+                entry.sent = 0
+                return entry
+            current = entry
+            entry = ScheduledBeat(conversation_id, paused_at, next_at, stop_at, interval)
+            if current is not None and current.paused_at > paused_at:
+                return current  # a later pause was planned meanwhile: it stands
+            entries[conversation_id] = entry
+            return entry
+
+    def _drop(self, conversation_id: str) -> None:
+        # Under the lock. A dropped plan reads as due never (+inf), for whoever holds it.
+        entry = self._entries.pop(conversation_id, None)
+        if entry is not None:
+            entry.next_at = math.inf
 
     def stop(self, conversation_id: str) -> None:
         """No more beats for this conversation (a request started, or it was left)."""
         with self._lock:
-            self._entries.pop(conversation_id, None)
+            self._drop(conversation_id)
 
     def clear(self) -> None:
         """Forget every plan (the client is closing, or the gateway refused heartbeats)."""
         with self._lock:
+            for entry in self._entries.values():
+                entry.next_at = math.inf
             self._entries.clear()
 
     def next_deadline(self) -> float | None:
@@ -98,10 +154,27 @@ class HeartbeatSchedule:
         due: list[ScheduledBeat] = []
         with self._lock:
             for key, entry in list(self._entries.items()):
+                if entry.next_at > now and now < entry.stop_at:
+                    continue
+                if self._pause_of is not None and entry.next_at != math.inf:
+                    pause = self._pause_of(key)
+                    if pause is not None and pause[0] > entry.paused_at:
+                        # A later pause began since this plan was made: plan from its start.
+                        paused_at, lease_seconds = pause
+                        entry.interval = self._interval(lease_seconds)
+                        entry.paused_at = paused_at
+                        entry.next_at = paused_at + entry.interval
+                        entry.stop_at = paused_at + self._settings.max_pause_seconds
+                        entry.sent = 0
+                        if entry.next_at >= entry.stop_at:
+                            self._drop(key)
+                            continue
+                        if entry.next_at > now and now < entry.stop_at:
+                            continue
                 if now >= entry.stop_at:
                     log.debug("kvturn: conversation %s paused past the maximum; beats stop", key)
-                    del self._entries[key]
-                elif entry.next_at <= now:
+                    self._drop(key)
+                else:
                     entry.next_at = math.inf
                     due.append(entry)
         return due
@@ -115,12 +188,12 @@ class HeartbeatSchedule:
                 return
             entry.sent += 1
             if interval is None:
-                del self._entries[entry.conversation_id]
+                self._drop(entry.conversation_id)
                 return
             entry.interval = max(interval, self._settings.min_heartbeat_interval_seconds)
             entry.next_at = now + entry.interval
             if entry.next_at >= entry.stop_at:
-                del self._entries[entry.conversation_id]
+                self._drop(entry.conversation_id)
 
 
 def _safe_interval(entry: ScheduledBeat, result: float | None) -> float | None:
@@ -129,6 +202,9 @@ def _safe_interval(entry: ScheduledBeat, result: float | None) -> float | None:
 
 class HeartbeatThread:
     """The sync client's single beat worker: a daemon thread started on first use."""
+
+    #: Started once and alive until closed: a pause its plan covers needs no nudge.
+    wake_each_pause = False
 
     def __init__(self, schedule: HeartbeatSchedule, beat: SyncBeat, clock: Clock) -> None:
         self._schedule = schedule
@@ -208,6 +284,9 @@ class HeartbeatThread:
 class HeartbeatTask:
     """The async client's single beat worker: one task on the loop the client is used from."""
 
+    #: Its loop may have ended (the client is used from another now): every pause checks.
+    wake_each_pause = True
+
     def __init__(self, schedule: HeartbeatSchedule, beat: AsyncBeat, clock: Clock) -> None:
         self._schedule = schedule
         self._beat = beat
@@ -217,6 +296,8 @@ class HeartbeatTask:
         self._wake: asyncio.Event | None = None
         self._closed = False
         self._sleep_until = -math.inf
+        # Woken on its loop and not yet awake: later wake() calls there need do nothing.
+        self._nudged = False
 
     @property
     def running(self) -> bool:
@@ -232,16 +313,14 @@ class HeartbeatTask:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        # Sleeping (on this loop) until no later than ``deadline``, the worker will see the
-        # change by itself in time.
-        until = self._sleep_until
-        if (
-            deadline is not None
-            and until != -math.inf
-            and deadline >= until
-            and (loop is None or loop is self._loop)
-        ):
-            return
+        if loop is None or loop is self._loop:
+            # Sleeping (on this loop) until no later than ``deadline``, the worker will see the
+            # change by itself in time; nudged and not yet awake, it will look anyway.
+            until = self._sleep_until
+            if deadline is not None and until != -math.inf and deadline >= until:
+                return
+            if self._nudged and loop is not None and self.running:
+                return
         if loop is not None and (not self.running or self._loop is not loop):
             if self._task is not None and self._loop is not loop and not self._task.done():
                 # The client moved to another loop (common across test cases); the old task
@@ -249,12 +328,14 @@ class HeartbeatTask:
                 self._task.cancel()
             self._loop = loop
             self._sleep_until = -math.inf
+            self._nudged = False
             self._wake = asyncio.Event()
             # An empty context: the worker must not inherit the caller's current conversation.
             self._task = loop.create_task(self._run(), context=contextvars.Context())
         if self._wake is None or self._loop is None:
             return
         if loop is self._loop:
+            self._nudged = True
             self._wake.set()
         elif not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
@@ -290,18 +371,25 @@ class HeartbeatTask:
     async def _run(self) -> None:
         wake = self._wake
         assert wake is not None
-        while not self._closed:
-            self._sleep_until = -math.inf
-            wake.clear()
-            deadline = self._schedule.next_deadline()
-            if deadline is None:
-                self._sleep_until = math.inf
-                await wake.wait()
-                continue
-            delay = deadline - self._clock()
-            if delay > 0:
-                self._sleep_until = deadline
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), delay)
-                continue
-            await self.run_due()
+        try:
+            while not self._closed:
+                self._sleep_until = -math.inf
+                wake.clear()
+                self._nudged = False
+                deadline = self._schedule.next_deadline()
+                if deadline is None:
+                    self._sleep_until = math.inf
+                    await wake.wait()
+                    continue
+                delay = deadline - self._clock()
+                if delay > 0:
+                    self._sleep_until = deadline
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), delay)
+                    continue
+                await self.run_due()
+        finally:
+            if self._wake is wake:  # not replaced by a task on another loop
+                # Gone (cancelled, closed): the next wake() restarts it.
+                self._sleep_until = -math.inf
+                self._nudged = False

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import httpx2
 import pytest
 import pytest_asyncio
 from kvturn_stub_gateway import StubGateway
@@ -101,6 +102,18 @@ async def test_a_closed_stream_ends_the_reply(stub: StubGateway, make_client) ->
         assert conversation.in_flight == 0
 
 
+async def test_a_stream_left_early_stays_open(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
+    client = make_client(stub)
+    async with client.conversation() as conversation:
+        stream = await ask(client, stream=True)
+        async for _ in stream:  # type: ignore[attr-defined]
+            break  # leaving the loop does not end the reply: the stream can go on
+        assert conversation.in_flight == 1
+        async for _ in stream:  # type: ignore[attr-defined]
+            pass
+        assert conversation.in_flight == 0
+
+
 async def test_tool_pause_and_heartbeats_long_vs_short(stub: StubGateway, make_client) -> None:  # type: ignore[no-untyped-def]
     stub.lease_seconds = 0.2
     client = make_client(stub)
@@ -175,3 +188,29 @@ async def test_plain_server_falls_silent(
         await asyncio.sleep(0.2)
     assert len([r for r in plain_server.requests if "kvturn" in r.path]) == 1
     assert len(plain_server.chat_requests()) == 2
+
+
+def test_heartbeats_follow_the_client_to_a_new_event_loop(stub: StubGateway) -> None:
+    # Scripts often run each step in asyncio.run(): the worker task dies with its loop, and
+    # the first pause on the next loop must start a new one.
+    # Beats due 0.2 s into a pause: the plan made on the first loop still covers the first
+    # pause on the second, so only the client's check of the worker's loop starts a worker.
+    stub.lease_seconds = 0.4
+    client = AsyncOpenAI(base_url=stub.url, api_key="test", release_on_exit=False)
+
+    async def step(pause_s: float) -> None:
+        # A connection pool cannot outlive its loop either: each step gets its own HTTP client
+        # (a copy shares the kvturn state: conversations, schedule, worker).
+        async with httpx2.AsyncClient() as http:
+            step_client = client.with_options(http_client=http)
+            async with step_client.conversation("loops"):
+                await ask(step_client)
+                await ask(step_client)
+                await asyncio.sleep(pause_s)
+
+    asyncio.run(step(0.0))
+    before = len(stub.heartbeats)
+    asyncio.run(step(0.7))
+    assert len(stub.heartbeats) - before >= 2
+    asyncio.run(client.with_options(http_client=httpx2.AsyncClient()).release_conversation("loops"))
+    assert stub.releases == ["loops"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import gc
 import logging
 import threading
 import time
@@ -160,6 +161,24 @@ def test_tool_calls_finish_reason_starts_a_tool_pause(stub: StubGateway, stream:
     assert conversation.turns[-1].tool_calls is False
 
 
+def test_a_stream_left_early_stays_open_and_an_abandoned_one_ends(stub: StubGateway) -> None:
+    client = make_client(stub)
+    with client.conversation() as conversation:
+        stream = ask(client, stream=True)
+        for _ in stream:  # type: ignore[attr-defined]
+            break  # leaving the loop does not end the reply: the stream can go on
+        assert conversation.in_flight == 1
+        list(stream)  # type: ignore[call-overload]
+        assert conversation.in_flight == 0
+        stream = ask(client, stream=True)
+        next(iter(stream))  # type: ignore[call-overload]
+        assert conversation.in_flight == 1
+        del stream  # abandoned: its reply ends when it is collected
+        gc.collect()
+        assert conversation.in_flight == 0
+        assert conversation.turn_count == 2
+
+
 def test_raw_responses_are_tracked_too(stub: StubGateway) -> None:
     client = make_client(stub)
     with client.conversation() as conversation:
@@ -182,10 +201,13 @@ def test_gateway_answers_are_recorded_on_turns(stub: StubGateway) -> None:
     with client.conversation() as conversation:
         ask(client)
         ask(client)
-    first, second = conversation.turns
+        assert conversation.lease_seconds == 12.5
+        stub.lease_seconds = 7.0  # the gateway's lease changes: the client follows
+        ask(client)
+        assert conversation.lease_seconds == 7.0
+    first, second, _ = conversation.turns
     assert (first.plan, first.reused_tokens) == ("recompute", 0)
     assert second.plan == "decode-local" and (second.reused_tokens or 0) > 0
-    assert conversation.lease_seconds == 12.5
 
 
 def test_heartbeats_during_a_long_tool_pause_none_during_a_short_one(stub: StubGateway) -> None:

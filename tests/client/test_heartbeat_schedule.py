@@ -98,3 +98,46 @@ def test_worker_step_survives_a_raising_beat() -> None:
     clock.now = 1.0
     HeartbeatThread(schedule, beat, clock).run_due()
     assert schedule.next_deadline() == 2.0  # kept, at the usual interval
+
+
+def test_a_later_pause_keeps_the_plan_and_is_planned_afresh_when_due() -> None:
+    paused: dict[str, tuple[float, float]] = {"c": (0.0, 10.0)}
+    schedule = HeartbeatSchedule(KvturnSettings(max_pause_seconds=100), paused.get)
+    plan = schedule.pause_began("c", 0.0, 10.0)
+    assert plan is not None and plan.next_at == 5.0
+    # Next reply ends at 3: the beat planned for 5 comes before this pause's (8), so the
+    # plan stays as it is...
+    paused["c"] = (3.0, 10.0)
+    assert schedule.pause_began("c", 3.0, 10.0) is plan and plan.next_at == 5.0
+    # ...and when it comes due it is planned from the latest pause instead of being sent.
+    assert schedule.take_due(5.0) == []
+    assert schedule.next_deadline() == 8.0
+    assert schedule.take_due(8.0) == [plan]
+    assert (plan.paused_at, plan.stop_at) == (3.0, 103.0)
+
+
+def test_a_pause_needing_an_earlier_beat_is_planned_at_once() -> None:
+    paused: dict[str, tuple[float, float]] = {}
+    schedule = HeartbeatSchedule(KvturnSettings(max_pause_seconds=100), paused.get)
+    schedule.pause_began("c", 0.0, 10.0)  # beat at 5
+    plan = schedule.pause_began("c", 1.0, 4.0)  # the gateway's lease shrank
+    assert plan is not None and plan.next_at == 3.0
+    assert schedule.next_deadline() == 3.0
+
+
+def test_a_dropped_plan_reads_as_never_due_to_whoever_holds_it() -> None:
+    schedule = HeartbeatSchedule(KvturnSettings(), {}.get)
+    plan = schedule.pause_began("c", 0.0, 10.0)
+    assert plan is not None
+    schedule.stop("c")
+    assert plan.next_at == math.inf
+    plan = schedule.pause_began("c", 0.0, 10.0)
+    schedule.clear()
+    assert plan is not None and plan.next_at == math.inf
+
+
+def test_a_due_plan_of_a_conversation_in_flight_is_sent_to_the_beat() -> None:
+    # No pause in progress (a request is in flight): the beat function decides (and drops it).
+    schedule = HeartbeatSchedule(KvturnSettings(max_pause_seconds=100), {}.get)
+    schedule.pause_began("c", 0.0, 10.0)
+    assert [e.conversation_id for e in schedule.take_due(5.0)] == ["c"]
