@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from asyncio import _get_running_loop
 from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from kvturn.control import CONVERSATIONS_PATH, HeartbeatRequest, HeartbeatRespon
 from kvturn.headers import (
     CONVERSATION_ID,
     LEASE_SECONDS,
+    PauseKind,
     is_valid_conversation_id,
 )
 
@@ -67,6 +69,9 @@ REFUSAL_STATUSES = frozenset({404, 405, 410, 501})
 MAX_IDLE_CONVERSATIONS = 10_000
 
 LEASE_KEY = LEASE_SECONDS.lower().encode()
+
+# Turns are made without a call to Turn.__init__ (see _kvturn_begin).
+_new_turn = object.__new__
 
 _CONVERSATION_ID_LOWER = CONVERSATION_ID.lower()
 _lower_key = itemgetter(1)
@@ -252,7 +257,7 @@ class KvturnCore:
         conversation = self.conversations.get(conversation_id)
         if conversation is None:
             return None
-        since = conversation._pauses.paused_since()
+        since = conversation._paused_since()
         return None if since is None else (since, conversation.lease_seconds)
 
     def heartbeat_body(self, entry: ScheduledBeat) -> tuple[Conversation, HeartbeatRequest] | None:
@@ -352,31 +357,50 @@ class BaseKvturnClient:
                 return None
         if options.url.startswith(CONVERSATIONS_PATH):
             return None  # control calls are not turns
-        # Beats of the pause that ends here stop by themselves: a due beat finds a request in
-        # flight and drops its plan, and the next pause replaces it. Not touching the schedule
-        # here keeps the heartbeat worker asleep in steady state.
-        pause = conversation._pauses.begin_turn()
+        # The pause that ends here: consumed, so that a second request started before any reply
+        # ends is parallel to this one, not paused. (Its beats stop by themselves: a due beat
+        # finds a request in flight and drops its plan.)
+        now = conversation._clock()
+        lock = conversation._lock
+        lock.acquire()  # explicit acquire/release: a ``with`` costs more than what it guards
+        try:
+            ended_at = conversation._reply_ended_at
+            tool = conversation._tool_pending
+            conversation._reply_ended_at = None
+            conversation._tool_pending = False
+            conversation._in_flight += 1
+            conversation._turns_begun += 1
+        finally:
+            lock.release()
         try:
             turn_id, turn_id_item = turn_id_pool.pop()
         except IndexError:
             refill_turn_ids()
             turn_id, turn_id_item = turn_id_pool.pop()
-        if pause is None:
-            items: tuple[HeaderItem, ...] = (conversation._id_item, turn_id_item)
+        turn = _new_turn(Turn)
+        if ended_at is None:
+            turn.pause_sent = None
+            turn.header_items = (conversation._id_item, turn_id_item)
         else:
-            items = (
+            ms = round((now - ended_at) * 1000)
+            if ms < 0:
+                ms = 0
+            kind: PauseKind = "tool" if tool else "user"
+            turn.pause_sent = (ms, kind)
+            turn.header_items = (
                 conversation._id_item,
                 turn_id_item,
-                (PAUSE_MS_KEY, PAUSE_MS_LOWER, str(pause[0]).encode("ascii")),
-                PAUSE_KIND_ITEMS[pause[1]],
+                (PAUSE_MS_KEY, PAUSE_MS_LOWER, str(ms).encode("ascii")),
+                PAUSE_KIND_ITEMS[kind],
             )
+        turn.conversation = conversation
+        turn.turn_id = turn_id
         # Whether a header of ours may already be on the request (set by the caller, or among
         # the client's default headers): only then is each attempt's request searched for it.
         headers = options.headers
-        replace = self._kvturn_replace_headers or (
+        turn.replace_headers = self._kvturn_replace_headers or (
             type(headers) is not NotGiven and names_turn_headers(headers)
         )
-        turn = Turn(conversation, turn_id, pause, items, replace)
         conversation._history.append(turn)
         return turn
 
@@ -393,8 +417,21 @@ class BaseKvturnClient:
         if turn.awaits_stream:
             self._kvturn.open_turns.pop(turn.turn_id, None)
         conversation = turn.conversation
-        paused_at = conversation._pauses.end_reply(tool_calls)
-        if paused_at is None:
+        # The reply ended: the conversation is paused from now, if nothing else is in flight.
+        paused_at = conversation._clock()
+        lock = conversation._lock
+        lock.acquire()
+        try:
+            in_flight = conversation._in_flight - 1
+            if in_flight < 0:
+                in_flight = 0
+            conversation._in_flight = in_flight
+            conversation._reply_ended_at = paused_at
+            if tool_calls:
+                conversation._tool_pending = True
+        finally:
+            lock.release()
+        if in_flight:
             return
         # Nothing of the conversation is in flight any more: its beats must be planned. In
         # steady state (replies seconds apart, a lease of tens of seconds) its plan's next beat
@@ -406,7 +443,11 @@ class BaseKvturnClient:
             and paused_at < beat.next_at <= paused_at + conversation._first_beat_after
         ):
             if conversation._wake_each_pause:
-                conversation._core.worker.wake(beat.next_at)  # type: ignore[union-attr]
+                # An async worker runs on one loop; only if that is not this one (the client
+                # moved to another loop, or the worker has yet to run) must it hear of this.
+                worker: Any = conversation._core.worker
+                if worker.live_loop is not _get_running_loop():
+                    worker.wake(beat.next_at)
             return
         core = conversation._core
         if not core.beating or conversation.released:

@@ -22,7 +22,7 @@ import openai
 from openai import AsyncStream, Stream
 from openai._constants import RAW_RESPONSE_HEADER
 from openai._models import FinalRequestOptions
-from openai._types import RequestOptions
+from openai._types import NotGiven, RequestOptions
 from openai.types.chat import ChatCompletion
 
 from kvturn.control import HeartbeatRequest, heartbeat_path, release_path
@@ -183,6 +183,9 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
         stream: bool = False,
         stream_cls: Any = None,
     ) -> Any:
+        # Outside any conversation (and not naming one in a header): straight through.
+        if _current.get() is None and type(options.headers) is NotGiven:
+            return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
         turn = self._kvturn_begin(options)
         if turn is None:
             return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
@@ -405,6 +408,9 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         stream: bool = False,
         stream_cls: Any = None,
     ) -> Any:
+        # Outside any conversation (and not naming one in a header): straight through.
+        if _current.get() is None and type(options.headers) is NotGiven:
+            return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
         turn = self._kvturn_begin(options)
         if turn is None:
             return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)

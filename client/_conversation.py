@@ -12,7 +12,7 @@ from kvturn.headers import CONVERSATION_ID, PLAN, REUSED_TOKENS, PauseKind
 
 from ._clock import Clock
 from ._headers import HeaderItem, header_item
-from ._pauses import Pause, PauseTracker
+from ._pauses import Pause
 
 if TYPE_CHECKING:
     from ._base import KvturnCore
@@ -38,10 +38,13 @@ def _answer_value(answer: list[HeaderItem] | None, lower_name: bytes) -> bytes |
 
 
 class Turn:
-    """One request of a conversation (all its SDK retries share the turn id) and its outcome."""
+    """One request of a conversation (all its SDK retries share the turn id) and its outcome.
 
-    # One is made per request: only what differs between turns is set when it is made, the
-    # rest reads from these class-level defaults until set.
+    Made by the client, one per request; read them from ``Conversation.turns``.
+    """
+
+    # Only what differs between turns is set when one is made; the rest reads from these
+    # class-level defaults until set.
     #: Whether the reply asked for tool calls (known once finished).
     tool_calls: bool = False
     #: The response headers of the turn's last attempt (httpx's raw triples), read on demand.
@@ -50,24 +53,18 @@ class Turn:
     #: Whether a stream to be built later (a raw response's) will end it: findable by id.
     awaits_stream: bool = False
 
-    def __init__(
-        self,
-        conversation: Conversation,
-        turn_id: str,
-        pause_sent: tuple[int, PauseKind] | None,
-        header_items: tuple[HeaderItem, ...],
-        replace_headers: bool = False,
-    ) -> None:
-        self.conversation = conversation
-        self.turn_id = turn_id
-        #: The pause before this turn as ``(ms, kind)``, as sent in the headers (see ``pause``).
-        self.pause_sent = pause_sent
-        #: The headers every attempt of this turn carries, in httpx's raw form (made once per
-        #: turn, appended as they are to each attempt's request).
-        self.header_items = header_items
-        #: Whether the request must drop same-named headers before adding these (the caller or
-        #: the client's default headers set one of them).
-        self.replace_headers = replace_headers
+    # Set by the client when it makes the turn (BaseKvturnClient._kvturn_begin, which fills
+    # them in directly: no __init__ call on the per-request path).
+    conversation: Conversation
+    turn_id: str
+    #: The pause before this turn as ``(ms, kind)``, as sent in the headers (see ``pause``).
+    pause_sent: tuple[int, PauseKind] | None
+    #: The headers every attempt of this turn carries, in httpx's raw form (made once per
+    #: turn, appended as they are to each attempt's request).
+    header_items: tuple[HeaderItem, ...]
+    #: Whether the request must drop same-named headers before adding these (the caller or the
+    #: client's default headers set one of them).
+    replace_headers: bool
 
     @property
     def conversation_id(self) -> str:
@@ -130,11 +127,19 @@ class Conversation:
         self._wake_each_pause = worker is not None and worker.wake_each_pause
         # The client whose scope opened it last: heartbeats go out through that client.
         self._owner: weakref.ref[Any] | None = None
-        self._pauses = PauseTracker(clock)
+        # The pause clock, under the lock (sync clients may share a conversation between
+        # threads, and streams end on whichever thread closes them). The client starts and
+        # ends turns on it (BaseKvturnClient._kvturn_begin/_kvturn_finish).
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._in_flight = 0
+        # None until the first reply ends, and again once a request has consumed the pause.
+        self._reply_ended_at: float | None = None
+        self._tool_pending = False
+        self._turns_begun = 0
         # Appended to without a lock (one atomic deque operation); read through copy(), which
         # is atomic too.
         self._history: deque[Turn] = deque(maxlen=TURN_HISTORY)
-        self._lock = threading.Lock()
         self._scopes = 0
         self._tools_running = 0
         #: True once the client has asked the gateway to release the conversation.
@@ -160,12 +165,12 @@ class Conversation:
     @property
     def in_flight(self) -> int:
         """Requests started and not yet finished."""
-        return self._pauses.in_flight
+        return self._in_flight
 
     @property
     def turn_count(self) -> int:
         """Requests (turns) started in this conversation so far."""
-        return self._pauses.begun
+        return self._turns_begun
 
     @property
     def turns(self) -> tuple[Turn, ...]:
@@ -184,8 +189,19 @@ class Conversation:
         return self._tools_running
 
     def current_pause(self) -> Pause | None:
-        """The pause in progress, or ``None`` while a request is in flight."""
-        return self._pauses.current()
+        """The pause in progress, or ``None`` while a request is in flight (or before the
+        first reply)."""
+        now = self._clock()
+        with self._lock:
+            if self._in_flight or self._reply_ended_at is None:
+                return None
+            ms = max(0, round((now - self._reply_ended_at) * 1000))
+            return Pause(ms=ms, kind="tool" if self._tool_pending else "user")
+
+    def _paused_since(self) -> float | None:
+        """When the pause in progress began (``None`` while a request is in flight)."""
+        with self._lock:
+            return None if self._in_flight else self._reply_ended_at
 
     def tool_started(self) -> None:
         """Report that a tool started: the pause it causes is a ``tool`` pause.
@@ -195,7 +211,7 @@ class Conversation:
         """
         with self._lock:
             self._tools_running += 1
-        self._pauses.note_tool_started()
+            self._tool_pending = True
 
     def tool_finished(self) -> None:
         """Report that a tool finished (the pause goes on until the next request)."""

@@ -298,6 +298,8 @@ class HeartbeatTask:
         self._sleep_until = -math.inf
         # Woken on its loop and not yet awake: later wake() calls there need do nothing.
         self._nudged = False
+        #: The loop it is running on (None until it first runs, and once it has stopped).
+        self.live_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def running(self) -> bool:
@@ -371,6 +373,7 @@ class HeartbeatTask:
     async def _run(self) -> None:
         wake = self._wake
         assert wake is not None
+        self.live_loop = asyncio.get_running_loop()
         try:
             while not self._closed:
                 self._sleep_until = -math.inf
@@ -393,3 +396,4 @@ class HeartbeatTask:
                 # Gone (cancelled, closed): the next wake() restarts it.
                 self._sleep_until = -math.inf
                 self._nudged = False
+                self.live_loop = None

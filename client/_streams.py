@@ -28,7 +28,12 @@ from kvturn.headers import TURN_ID
 from ._conversation import Turn
 from ._replies import asks_for_tools
 
-__all__ = ["TrackedAsyncStream", "TrackedStream", "tracked_classes", "tracked_stream_cls"]
+__all__ = [
+    "TrackedAsyncStream",
+    "TrackedStream",
+    "tracked_classes",
+    "tracked_stream_cls",
+]
 
 _T = TypeVar("_T")
 
@@ -101,7 +106,15 @@ class TrackedStream(Stream[_T]):
         except BaseException:
             _end_turn(self)
             raise
-        _end_turn(self)
+        turn = self._kvturn_turn
+        if turn is not None and not self._kvturn_ended:  # _end_turn(), its common case inline
+            self._kvturn_ended = True
+            client: Any = self._client
+            client._kvturn_finish(turn, self._kvturn_tools)
+            # Done: a plain stream again, which spares its collection the finalizer call.
+            self.__class__ = Stream  # type: ignore[assignment]
+        else:
+            _end_turn(self)
 
     def close(self) -> None:
         """Close the response; the reply (and so the turn) ends here if not before."""
@@ -163,7 +176,15 @@ class TrackedAsyncStream(AsyncStream[_T]):
         except BaseException:
             _end_turn(self)
             raise
-        _end_turn(self)
+        turn = self._kvturn_turn
+        if turn is not None and not self._kvturn_ended:  # _end_turn(), its common case inline
+            self._kvturn_ended = True
+            client: Any = self._client
+            client._kvturn_finish(turn, self._kvturn_tools)
+            # Done: a plain stream again, which spares its collection the finalizer call.
+            self.__class__ = AsyncStream  # type: ignore[assignment]
+        else:
+            _end_turn(self)
 
     async def close(self) -> None:
         """Close the response; the reply (and so the turn) ends here if not before."""

@@ -1,9 +1,15 @@
-"""The pause clock, driven by a fake clock."""
+"""The pause clock of a conversation, driven by a fake clock (no network)."""
 
 from __future__ import annotations
 
-from kvturn.client import Pause
-from kvturn.client._pauses import PauseTracker
+from collections.abc import Iterator
+
+import pytest
+from openai._models import FinalRequestOptions
+
+from kvturn.client import Conversation, OpenAI, Pause, Turn
+
+OPTIONS = FinalRequestOptions.construct(method="post", url="/chat/completions")
 
 
 class FakeClock:
@@ -17,68 +23,99 @@ class FakeClock:
         self.now += seconds
 
 
-def test_first_request_has_no_pause() -> None:
-    tracker = PauseTracker(FakeClock())
-    assert tracker.begin_request() is None
-    assert tracker.in_flight == 1
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
 
 
-def test_pause_runs_from_reply_end_to_next_request() -> None:
-    clock = FakeClock()
-    tracker = PauseTracker(clock)
-    tracker.begin_request()
+@pytest.fixture
+def client(clock: FakeClock) -> Iterator[OpenAI]:
+    client = OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", clock=clock, heartbeats=False)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def conversation(client: OpenAI) -> Iterator[Conversation]:
+    with client.conversation(release=False) as conversation:
+        yield conversation
+
+
+def begin(client: OpenAI) -> Turn:
+    turn = client._kvturn_begin(OPTIONS)
+    assert turn is not None
+    return turn
+
+
+def test_first_request_has_no_pause(client: OpenAI, conversation: Conversation) -> None:
+    assert begin(client).pause is None
+    assert conversation.in_flight == 1 and conversation.turn_count == 1
+
+
+def test_pause_runs_from_reply_end_to_next_request(
+    client: OpenAI, conversation: Conversation, clock: FakeClock
+) -> None:
+    turn = begin(client)
     clock.advance(5.0)  # generation time is not pause
-    assert tracker.end_reply(tool_calls=False) == clock.now
+    client._kvturn_finish(turn, False)
+    assert conversation._paused_since() == clock.now
     clock.advance(1.234)
-    assert tracker.current() == Pause(ms=1234, kind="user")
-    assert tracker.begin_request() == Pause(ms=1234, kind="user")
-    assert tracker.current() is None
+    assert conversation.current_pause() == Pause(ms=1234, kind="user")
+    assert begin(client).pause == Pause(ms=1234, kind="user")
+    assert conversation.current_pause() is None
 
 
-def test_tool_calls_make_a_tool_pause_and_the_kind_resets() -> None:
-    clock = FakeClock()
-    tracker = PauseTracker(clock)
-    tracker.begin_request()
-    tracker.end_reply(tool_calls=True)
+def test_tool_calls_make_a_tool_pause_and_the_kind_resets(
+    client: OpenAI, conversation: Conversation, clock: FakeClock
+) -> None:
+    client._kvturn_finish(begin(client), True)
     clock.advance(0.5)
-    assert tracker.begin_request() == Pause(ms=500, kind="tool")
-    tracker.end_reply(tool_calls=False)
+    turn = begin(client)
+    assert turn.pause == Pause(ms=500, kind="tool")
+    client._kvturn_finish(turn, False)
     clock.advance(0.25)
-    assert tracker.begin_request() == Pause(ms=250, kind="user")
+    assert begin(client).pause == Pause(ms=250, kind="user")
 
 
-def test_adapter_tool_start_marks_a_tool_pause() -> None:
-    clock = FakeClock()
-    tracker = PauseTracker(clock)
-    tracker.begin_request()
-    tracker.end_reply(tool_calls=False)
-    tracker.note_tool_started()
+def test_adapter_tool_start_marks_a_tool_pause(
+    client: OpenAI, conversation: Conversation, clock: FakeClock
+) -> None:
+    client._kvturn_finish(begin(client), False)
+    conversation.tool_started()
     clock.advance(0.1)
-    assert tracker.begin_request() == Pause(ms=100, kind="tool")
+    assert begin(client).pause == Pause(ms=100, kind="tool")
 
 
-def test_parallel_requests_pause_only_when_nothing_is_in_flight() -> None:
-    clock = FakeClock()
-    tracker = PauseTracker(clock)
-    tracker.begin_request()
-    assert tracker.begin_request() is None  # parallel to the first
+def test_parallel_requests_pause_only_when_nothing_is_in_flight(
+    client: OpenAI, conversation: Conversation, clock: FakeClock
+) -> None:
+    first = begin(client)
+    second = begin(client)
+    assert second.pause is None  # parallel to the first
     clock.advance(1.0)
-    # One reply ends while the other is in flight: not idle, no heartbeat pause yet.
-    assert tracker.end_reply(tool_calls=True) is None
-    assert tracker.current() is None
+    # One reply ends while the other is in flight: not idle, no pause yet.
+    client._kvturn_finish(first, True)
+    assert conversation._paused_since() is None and conversation.current_pause() is None
     clock.advance(1.0)
-    assert tracker.end_reply(tool_calls=False) == clock.now
+    client._kvturn_finish(second, False)
+    assert conversation._paused_since() == clock.now
     clock.advance(0.3)
     # Measured from the last reply; tool because one of the replies asked for tools.
-    assert tracker.begin_request() == Pause(ms=300, kind="tool")
+    assert begin(client).pause == Pause(ms=300, kind="tool")
 
 
-def test_request_started_before_the_other_reply_ends_is_not_paused_twice() -> None:
-    clock = FakeClock()
-    tracker = PauseTracker(clock)
-    tracker.begin_request()
-    tracker.begin_request()
-    tracker.end_reply(tool_calls=True)  # A ends; B still in flight
+def test_request_started_before_the_other_reply_ends_is_not_paused_twice(
+    client: OpenAI, conversation: Conversation, clock: FakeClock
+) -> None:
+    a, _b = begin(client), begin(client)
+    client._kvturn_finish(a, True)  # A ends; B still in flight
     clock.advance(0.2)
-    assert tracker.begin_request() == Pause(ms=200, kind="tool")  # C after A's tool ran
-    assert tracker.begin_request() is None  # D parallel to C: no new reply ended
+    assert begin(client).pause == Pause(ms=200, kind="tool")  # C after A's tool ran
+    assert begin(client).pause is None  # D parallel to C: no new reply ended
+
+
+def test_a_turn_ends_once(client: OpenAI, conversation: Conversation) -> None:
+    turn = begin(client)
+    client._kvturn_finish(turn, False)
+    client._kvturn_finish(turn, True)  # a stream closed after it was exhausted, say
+    assert conversation.in_flight == 0 and turn.tool_calls is False
