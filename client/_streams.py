@@ -199,7 +199,8 @@ class TrackedAsyncStream(AsyncStream[_T]):
                 _end_turn(self)
 
 
-# Tracked classes by the SDK's stream class (``Stream[X]``), made once. Each is a concrete
+# Tracked classes by the SDK's stream class (``Stream[X]``), made once (None for a class of the
+# caller's own). Each is a concrete
 # subclass of TrackedStream whose ``__orig_bases__`` names ``Stream[X]``: the SDK reads the
 # chunk type from there (as for any ``class MyStream(Stream[X])``) and constructs it directly,
 # where a ``TrackedStream[X]`` alias would cost a typing call and a longer type lookup per
@@ -218,6 +219,7 @@ def tracked_stream_cls(stream_cls: Any, *, asynchronous: bool) -> Any | None:
         return None
     base = AsyncStream if asynchronous else Stream
     if (get_origin(stream_cls) or stream_cls) is not base:
+        tracked_classes[id(stream_cls)] = (stream_cls, None)  # the answer is kept too
         return None
     chunk = extract_stream_chunk_type(stream_cls)
     generic = TrackedAsyncStream if asynchronous else TrackedStream
