@@ -28,7 +28,6 @@ from kvturn.control import CONVERSATIONS_PATH, HeartbeatRequest, HeartbeatRespon
 from kvturn.headers import (
     CONVERSATION_ID,
     LEASE_SECONDS,
-    PauseKind,
     is_valid_conversation_id,
 )
 
@@ -72,6 +71,8 @@ LEASE_KEY = LEASE_SECONDS.lower().encode()
 
 # Turns are made without a call to Turn.__init__ (see _kvturn_begin).
 _new_turn = object.__new__
+_TOOL_PAUSE_ITEM = PAUSE_KIND_ITEMS["tool"]
+_USER_PAUSE_ITEM = PAUSE_KIND_ITEMS["user"]
 
 _CONVERSATION_ID_LOWER = CONVERSATION_ID.lower()
 _lower_key = itemgetter(1)
@@ -342,7 +343,9 @@ class BaseKvturnClient:
                     return self._kvturn.conversations.get(value)
         return None
 
-    def _kvturn_begin(self, options: FinalRequestOptions) -> Turn | None:
+    def _kvturn_begin(
+        self, options: FinalRequestOptions, conversation: Conversation | None = None
+    ) -> Turn | None:
         """Start a turn for a request made inside a conversation (``None`` outside one).
 
         Called once per logical request, before the SDK's retry loop; every attempt then gets
@@ -350,7 +353,8 @@ class BaseKvturnClient:
         few calls and few objects: it runs amid ~1 ms of SDK work, with cold caches, where
         each step costs several times what it does in a hot loop.
         """
-        conversation = _current.get()
+        if conversation is None:
+            conversation = _current.get()  # (the caller may have looked it up already)
         if conversation is None:
             conversation = self._kvturn_named_conversation(options)
             if conversation is None:
@@ -385,22 +389,22 @@ class BaseKvturnClient:
             ms = round((now - ended_at) * 1000)
             if ms < 0:
                 ms = 0
-            kind: PauseKind = "tool" if tool else "user"
-            turn.pause_sent = (ms, kind)
+            turn.pause_sent = (ms, "tool" if tool else "user")
             turn.header_items = (
                 conversation._id_item,
                 turn_id_item,
-                (PAUSE_MS_KEY, PAUSE_MS_LOWER, str(ms).encode("ascii")),
-                PAUSE_KIND_ITEMS[kind],
+                (PAUSE_MS_KEY, PAUSE_MS_LOWER, b"%d" % ms),
+                _TOOL_PAUSE_ITEM if tool else _USER_PAUSE_ITEM,
             )
         turn.conversation = conversation
         turn.turn_id = turn_id
         # Whether a header of ours may already be on the request (set by the caller, or among
         # the client's default headers): only then is each attempt's request searched for it.
         headers = options.headers
-        turn.replace_headers = self._kvturn_replace_headers or (
+        if self._kvturn_replace_headers or (
             type(headers) is not NotGiven and names_turn_headers(headers)
-        )
+        ):
+            turn.replace_headers = True
         conversation._history.append(turn)
         return turn
 

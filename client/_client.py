@@ -184,9 +184,10 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
         stream_cls: Any = None,
     ) -> Any:
         # Outside any conversation (and not naming one in a header): straight through.
-        if _current.get() is None and type(options.headers) is NotGiven:
+        conversation = _current.get()
+        if conversation is None and type(options.headers) is NotGiven:
             return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
-        turn = self._kvturn_begin(options)
+        turn = self._kvturn_begin(options, conversation)
         if turn is None:
             return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
         tracked = None
@@ -409,9 +410,10 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         stream_cls: Any = None,
     ) -> Any:
         # Outside any conversation (and not naming one in a header): straight through.
-        if _current.get() is None and type(options.headers) is NotGiven:
+        conversation = _current.get()
+        if conversation is None and type(options.headers) is NotGiven:
             return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
-        turn = self._kvturn_begin(options)
+        turn = self._kvturn_begin(options, conversation)
         if turn is None:
             return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
         tracked = None

@@ -52,6 +52,9 @@ class Turn:
     finished: bool = False
     #: Whether a stream to be built later (a raw response's) will end it: findable by id.
     awaits_stream: bool = False
+    #: Whether the request must drop same-named headers before adding these (the caller or the
+    #: client's default headers set one of them).
+    replace_headers: bool = False
 
     # Set by the client when it makes the turn (BaseKvturnClient._kvturn_begin, which fills
     # them in directly: no __init__ call on the per-request path).
@@ -62,9 +65,6 @@ class Turn:
     #: The headers every attempt of this turn carries, in httpx's raw form (made once per
     #: turn, appended as they are to each attempt's request).
     header_items: tuple[HeaderItem, ...]
-    #: Whether the request must drop same-named headers before adding these (the caller or the
-    #: client's default headers set one of them).
-    replace_headers: bool
 
     @property
     def conversation_id(self) -> str:
