@@ -13,7 +13,11 @@ fi
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null 2>&1 || python=python3
 echo "kvturn setup: creating/updating .venv with $($python --version)"
-[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+# A venv left half-made (an interrupted first run: python but no pip) is made again.
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
+  "$python" -m venv .venv
+fi
 pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip
 
