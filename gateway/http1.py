@@ -345,14 +345,7 @@ class HttpClient:
         timeout_s: float | None = None,
     ) -> Response:
         """Send and read the whole response."""
-        pool, path = self._route(url)
-        payload = _encode(method, path, pool.host_header, body, headers)
-        conn = await pool.acquire()
-        try:
-            await self._exchange(pool, conn, payload, timeout_s, until_complete=True)
-        except _Stale:
-            conn = await pool.acquire(fresh=True)
-            await self._exchange(pool, conn, payload, timeout_s, until_complete=True)
+        pool, conn = await self._send(method, url, body, headers, timeout_s, until_complete=True)
         response = Response(conn.status, conn.headers, b"".join(conn.take_chunks()))
         pool.release(conn)
         return response
@@ -366,15 +359,29 @@ class HttpClient:
         timeout_s: float | None = None,
     ) -> StreamResponse:
         """Send and return once the response's headers arrived; the body streams."""
+        pool, conn = await self._send(method, url, body, headers, timeout_s, until_complete=False)
+        return StreamResponse(pool, conn)
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout_s: float | None,
+        until_complete: bool,
+    ) -> tuple[_Pool, _Connection]:
+        """One exchange on a pooled connection; once more on a fresh one if the reused
+        connection turned out dead before any response byte."""
         pool, path = self._route(url)
         payload = _encode(method, path, pool.host_header, body, headers)
         conn = await pool.acquire()
         try:
-            await self._exchange(pool, conn, payload, timeout_s, until_complete=False)
+            await self._exchange(pool, conn, payload, timeout_s, until_complete)
         except _Stale:
             conn = await pool.acquire(fresh=True)
-            await self._exchange(pool, conn, payload, timeout_s, until_complete=False)
-        return StreamResponse(pool, conn)
+            await self._exchange(pool, conn, payload, timeout_s, until_complete)
+        return pool, conn
 
     async def _exchange(
         self,
