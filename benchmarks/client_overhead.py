@@ -22,9 +22,15 @@ Method, chosen so that an A/A comparison of two identical plain clients reads ~0
   never inside a timed request; the young-generation collections that a request's own
   allocations trigger stay on, for both clients alike.
 
-Diagnostic rows take a streamed turn apart: variants of the kvturn clients that skip reading
-the chunks for tool calls, or do not track the stream at all, against one that only adds the
-same extra override. kvturn's own per-request work is also timed in a hot loop, to show how
+* The pairs are split between several fresh processes, run one after another. A process's
+  memory layout decides which attribute look-ups collide in CPython's type-attribute cache (a
+  type's version tag XOR the name's address): a client class can pay tens of thousands of
+  instructions more per request in one layout than in the next (measured with cachegrind: an
+  empty subclass of ``openai.OpenAI`` cost +36k instructions per streamed request in one
+  layout and +4k in another). One process samples one layout; several average over them.
+
+Streamed rows come as plain text and as a tool call (the watch for tool calls parses the
+events that hold one). kvturn's own per-request work is also timed in a hot loop, to show how
 much of its in-request cost comes from running amid the SDK's work with cold caches. Results
 go to ``benchmarks/results/client_overhead.md`` (the text after its "Reading it" heading is
 kept when the table is regenerated).
@@ -48,6 +54,7 @@ import math
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -82,7 +89,7 @@ def _chunk(delta: dict[str, Any], finish: str | None) -> str:
         "model": "m",
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"  # compact, as vLLM sends
 
 
 #: A streamed reply: its events, each its own network chunk (as a server flushing each token
@@ -94,6 +101,19 @@ SSE_EVENTS = [
     b"data: [DONE]\n\n",
 ]
 STREAM_CHUNKS = len(SSE_EVENTS) - 1
+_CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+#: A streamed reply that calls a tool (what an agent's turns mostly end with), as many chunks.
+SSE_TOOL_EVENTS = [
+    _chunk({"role": "assistant", "tool_calls": [_CALL]}, None).encode(),
+    *(
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": a}}]}, None).encode()
+        for a in ('{"q": ', '"x"', "}")
+    ),
+    _chunk({}, "tool_calls").encode(),
+    b"data: [DONE]\n\n",
+]
+#: Requests that carry tools get the tool-calling stream.
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 #: What the kvturn gateway says on every answer of a conversation.
 HEADERS = {"X-Kvturn-Lease-Seconds": "30", "X-Kvturn-Plan": "decode-local"}
 #: The four headers kvturn adds, as a caller of the plain client would add them.
@@ -108,20 +128,29 @@ TURN_HEADERS = {
 SSE_HEADERS = {**HEADERS, "content-type": "text/event-stream"}
 
 
+def _stream_events(request: httpx2.Request) -> list[bytes] | None:
+    content = request.content.replace(b" ", b"")
+    if b'"stream":true' not in content:
+        return None
+    return SSE_TOOL_EVENTS if b'"tools":' in content else SSE_EVENTS
+
+
 def handler(request: httpx2.Request) -> httpx2.Response:
-    if b'"stream":true' in request.content.replace(b" ", b""):
-        return httpx2.Response(200, content=iter(SSE_EVENTS), headers=SSE_HEADERS)
+    events = _stream_events(request)
+    if events is not None:
+        return httpx2.Response(200, content=iter(events), headers=SSE_HEADERS)
     return httpx2.Response(200, json=COMPLETION, headers=HEADERS)
 
 
-async def _events() -> Any:
-    for event in SSE_EVENTS:
+async def _events(events: list[bytes]) -> Any:
+    for event in events:
         yield event
 
 
 def async_handler(request: httpx2.Request) -> httpx2.Response:
-    if b'"stream":true' in request.content.replace(b" ", b""):
-        return httpx2.Response(200, content=_events(), headers=SSE_HEADERS)
+    events = _stream_events(request)
+    if events is not None:
+        return httpx2.Response(200, content=_events(events), headers=SSE_HEADERS)
     return httpx2.Response(200, json=COMPLETION, headers=HEADERS)
 
 
@@ -149,14 +178,17 @@ Request = Callable[[], Any]
 clock = time.process_time_ns
 
 
-def sync_request(client: Any, *, stream: bool, headers: dict[str, str] | None = None) -> Request:
+def sync_request(
+    client: Any, *, stream: bool, headers: dict[str, str] | None = None, tools: bool = False
+) -> Request:
     """One request (and the whole stream), returning the µs of CPU time it took."""
+    extra: dict[str, Any] = {"tools": TOOLS} if tools else {}
 
     def call() -> float:
         start = clock()
         if stream:
             for _ in client.chat.completions.create(
-                model="m", messages=MESSAGES, stream=True, extra_headers=headers
+                model="m", messages=MESSAGES, stream=True, extra_headers=headers, **extra
             ):
                 pass
         else:
@@ -167,16 +199,22 @@ def sync_request(client: Any, *, stream: bool, headers: dict[str, str] | None = 
 
 
 def async_request(
-    client: Any, loop: asyncio.AbstractEventLoop, context: contextvars.Context, *, stream: bool
+    client: Any,
+    loop: asyncio.AbstractEventLoop,
+    context: contextvars.Context,
+    *,
+    stream: bool,
+    tools: bool = False,
 ) -> Request:
     """The async twin: the request runs as a task in ``context`` (where its conversation is
     open); only the awaited request is timed, not the loop's task set-up."""
+    extra: dict[str, Any] = {"tools": TOOLS} if tools else {}
 
     async def one() -> float:
         start = clock()
         if stream:
             async for _ in await client.chat.completions.create(
-                model="m", messages=MESSAGES, stream=True
+                model="m", messages=MESSAGES, stream=True, **extra
             ):
                 pass
         else:
@@ -200,6 +238,8 @@ class Comparison:
     other: Request
     diffs: list[float] = field(default_factory=list)
     plain_us: list[float] = field(default_factory=list)
+    #: Each process's mean difference (pooled comparisons only).
+    process_means: list[float] = field(default_factory=list)
 
     def pair(self, rng: random.Random) -> None:
         if rng.random() < 0.5:
@@ -216,7 +256,18 @@ class Comparison:
         sem = statistics.stdev(self.diffs) / len(self.diffs) ** 0.5
         median = statistics.median(self.diffs)
         base = statistics.median(self.plain_us)
-        return f"| {self.name} | {base:.0f} | {mean:+.1f} ± {sem:.1f} | {median:+.1f} |"
+        # Relative to the plain request, pair by pair: the sandbox's speed drifts (a plain
+        # request's cost moved between 1.2 and 3.2 ms across runs), and what kvturn adds
+        # scales with it.
+        relative = statistics.fmean(d / a for d, a in zip(self.diffs, self.plain_us, strict=True))
+        spread = ""
+        if len(self.process_means) > 1:
+            low, high = min(self.process_means), max(self.process_means)
+            spread = f" | {low:+.0f} … {high:+.0f}"
+        return (
+            f"| {self.name} | {base:.0f} | {mean:+.1f} ± {sem:.1f} | {median:+.1f} "
+            f"| {100 * relative:+.2f}%{spread} |"
+        )
 
 
 def run(comparisons: list[Comparison], pairs: int, block: int, seed: int = 1) -> None:
@@ -286,67 +337,6 @@ def hook_cost(iterations: int) -> float:
     return cost
 
 
-def diagnostic_clients() -> dict[str, type[Any]]:
-    """Variants of the kvturn clients that leave out one part of a streamed turn's work, to
-    show what that part costs. Each adds an override of ``request()``: what that costs by
-    itself is the ``overridden`` variant's, which leaves nothing out."""
-    from openai.types.chat import ChatCompletionChunk
-
-    from kvturn.client._streams import TrackedAsyncStream, TrackedStream
-
-    class UntrackedStream(openai.Stream[ChatCompletionChunk]):
-        """A stream class of the caller's own: kvturn leaves it be, and ends the turn when
-        the request returns."""
-
-    class UntrackedAsyncStream(openai.AsyncStream[ChatCompletionChunk]):
-        """As UntrackedStream."""
-
-    class Overridden(kvturn.client.OpenAI):  # type: ignore[misc,name-defined]
-        def request(self, cast_to: Any, options: Any, **kwargs: Any) -> Any:
-            return super().request(cast_to, options, **kwargs)
-
-    class AsyncOverridden(kvturn.client.AsyncOpenAI):  # type: ignore[misc,name-defined]
-        async def request(self, cast_to: Any, options: Any, **kwargs: Any) -> Any:
-            return await super().request(cast_to, options, **kwargs)
-
-    class NoChunkCheck(kvturn.client.OpenAI):  # type: ignore[misc,name-defined]
-        def request(self, cast_to: Any, options: Any, **kwargs: Any) -> Any:
-            result = super().request(cast_to, options, **kwargs)
-            if isinstance(result, TrackedStream):
-                result._kvturn_tools = True  # as if a tool call was seen: chunks go unread
-            return result
-
-    class NoStreamTracking(kvturn.client.OpenAI):  # type: ignore[misc,name-defined]
-        def request(self, cast_to: Any, options: Any, *, stream: bool = False, **kw: Any) -> Any:
-            if stream:
-                kw["stream_cls"] = UntrackedStream
-            return super().request(cast_to, options, stream=stream, **kw)
-
-    class AsyncNoChunkCheck(kvturn.client.AsyncOpenAI):  # type: ignore[misc,name-defined]
-        async def request(self, cast_to: Any, options: Any, **kwargs: Any) -> Any:
-            result = await super().request(cast_to, options, **kwargs)
-            if isinstance(result, TrackedAsyncStream):
-                result._kvturn_tools = True
-            return result
-
-    class AsyncNoStreamTracking(kvturn.client.AsyncOpenAI):  # type: ignore[misc,name-defined]
-        async def request(
-            self, cast_to: Any, options: Any, *, stream: bool = False, **kw: Any
-        ) -> Any:
-            if stream:
-                kw["stream_cls"] = UntrackedAsyncStream
-            return await super().request(cast_to, options, stream=stream, **kw)
-
-    return {
-        "sync overridden": Overridden,
-        "async overridden": AsyncOverridden,
-        "sync chunks unread": NoChunkCheck,
-        "sync untracked": NoStreamTracking,
-        "async chunks unread": AsyncNoChunkCheck,
-        "async untracked": AsyncNoStreamTracking,
-    }
-
-
 def use_client_from(directory: Path) -> None:
     """Make ``kvturn.client`` the package in ``directory`` (another version of ``client/``)."""
     for name in [n for n in sys.modules if n == "kvturn.client" or n.startswith("kvturn.client.")]:
@@ -361,22 +351,8 @@ def use_client_from(directory: Path) -> None:
     kvturn.client = package  # type: ignore[attr-defined]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=4000, help="request pairs per comparison")
-    parser.add_argument(
-        "--block", type=int, default=50, help="consecutive pairs of one comparison per turn"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "client_overhead.md"
-    )
-    parser.add_argument(
-        "--client-dir", type=Path, help="measure the client package in this directory instead"
-    )
-    args = parser.parse_args()
-    if args.client_dir is not None:
-        use_client_from(args.client_dir.resolve())
-
+def measure(pairs: int, block: int, seed: int) -> dict[str, Any]:
+    """Run every comparison in this process; their per-pair figures and the turn counts."""
     loop = asyncio.new_event_loop()
     # Every comparison has clients of its own, so the two sides of a pair are alike in how
     # recently their objects were used (a client shared by several comparisons would be warmer
@@ -424,148 +400,156 @@ def main() -> None:
             in_context(context, sync_request(other, headers=headers, **kwargs)),
         )
 
-    def asyn(plain: Any, other: Any, context: contextvars.Context, *, stream: bool) -> Any:
+    def asyn(plain: Any, other: Any, context: contextvars.Context, **kwargs: Any) -> Any:
         return (
-            async_request(plain, loop, context, stream=stream),
-            async_request(other, loop, context, stream=stream),
+            async_request(plain, loop, context, **kwargs),
+            async_request(other, loop, context, **kwargs),
         )
 
-    kv, kv_stream = client(kvturn.client.OpenAI), client(kvturn.client.OpenAI)
-    akv, akv_stream = aclient(kvturn.client.AsyncOpenAI), aclient(kvturn.client.AsyncOpenAI)
+    def kv_sync(name: str) -> tuple[Any, contextvars.Context]:
+        kv = client(kvturn.client.OpenAI)
+        return kv, conversation(kv, name)
+
+    def kv_async(name: str) -> tuple[Any, contextvars.Context]:
+        kv = aclient(kvturn.client.AsyncOpenAI)
+        return kv, aconversation(kv, name)
+
+    plain, plain_async = openai.OpenAI, openai.AsyncOpenAI
+    chunks = f"{STREAM_CHUNKS} chunks"
     rows = [
         (
             "A/A: plain openai vs plain openai (noise floor)",
-            sync(client(openai.OpenAI), client(openai.OpenAI), outside, stream=False),
+            sync(client(plain), client(plain), outside, stream=False),
         ),
         (
             "plain openai + the 4 turn headers as `extra_headers`, no kvturn code",
-            sync(
-                client(openai.OpenAI),
-                client(openai.OpenAI),
-                outside,
-                stream=False,
-                headers=TURN_HEADERS,
-            ),
+            sync(client(plain), client(plain), outside, stream=False, headers=TURN_HEADERS),
         ),
         (
             "kvturn, outside a conversation",
-            sync(client(openai.OpenAI), client(kvturn.client.OpenAI), outside, stream=False),
+            sync(client(plain), client(kvturn.client.OpenAI), outside, stream=False),
+        ),
+        ("kvturn, in a conversation", sync(client(plain), *kv_sync("c"), stream=False)),
+        (
+            f"kvturn, in a conversation, streamed ({chunks})",
+            sync(client(plain), *kv_sync("s"), stream=True),
         ),
         (
-            "kvturn, in a conversation",
-            sync(client(openai.OpenAI), kv, conversation(kv, "bench"), stream=False),
-        ),
-        (
-            f"kvturn, in a conversation, streamed ({STREAM_CHUNKS} chunks)",
-            sync(
-                client(openai.OpenAI),
-                kv_stream,
-                conversation(kv_stream, "bench-stream"),
-                stream=True,
-            ),
+            f"kvturn, in a conversation, streamed, a tool call ({chunks})",
+            sync(client(plain), *kv_sync("t"), stream=True, tools=True),
         ),
         (
             "A/A async: plain AsyncOpenAI vs plain AsyncOpenAI",
-            asyn(aclient(openai.AsyncOpenAI), aclient(openai.AsyncOpenAI), outside, stream=False),
+            asyn(aclient(plain_async), aclient(plain_async), outside, stream=False),
         ),
         (
             "AsyncOpenAI kvturn, in a conversation",
-            asyn(
-                aclient(openai.AsyncOpenAI),
-                akv,
-                aconversation(akv, "bench-async"),
-                stream=False,
-            ),
+            asyn(aclient(plain_async), *kv_async("ac"), stream=False),
         ),
         (
-            f"AsyncOpenAI kvturn, in a conversation, streamed ({STREAM_CHUNKS} chunks)",
-            asyn(
-                aclient(openai.AsyncOpenAI),
-                akv_stream,
-                aconversation(akv_stream, "bench-async-stream"),
-                stream=True,
-            ),
+            f"AsyncOpenAI kvturn, in a conversation, streamed ({chunks})",
+            asyn(aclient(plain_async), *kv_async("as"), stream=True),
+        ),
+        (
+            f"AsyncOpenAI kvturn, in a conversation, streamed, a tool call ({chunks})",
+            asyn(aclient(plain_async), *kv_async("at"), stream=True, tools=True),
         ),
     ]
-    if args.client_dir is None:
-        variants = diagnostic_clients()
-        overridden = client(variants["sync overridden"])
-        unread = client(variants["sync chunks unread"])
-        untracked = client(variants["sync untracked"])
-        aoverridden = aclient(variants["async overridden"])
-        aunread = aclient(variants["async chunks unread"])
-        auntracked = aclient(variants["async untracked"])
-        rows += [
-            (
-                "diagnostic: kvturn streamed, through one more override of request()",
-                sync(
-                    client(openai.OpenAI), overridden, conversation(overridden, "d0"), stream=True
-                ),
-            ),
-            (
-                "diagnostic: kvturn streamed + override, the chunks not read for tool calls",
-                sync(client(openai.OpenAI), unread, conversation(unread, "d1"), stream=True),
-            ),
-            (
-                "diagnostic: kvturn streamed + override, the stream not tracked",
-                sync(client(openai.OpenAI), untracked, conversation(untracked, "d2"), stream=True),
-            ),
-            (
-                "diagnostic: AsyncOpenAI kvturn streamed, through one more override of request()",
-                asyn(
-                    aclient(openai.AsyncOpenAI),
-                    aoverridden,
-                    aconversation(aoverridden, "d5"),
-                    stream=True,
-                ),
-            ),
-            (
-                "diagnostic: AsyncOpenAI kvturn streamed + override, the chunks not read",
-                asyn(
-                    aclient(openai.AsyncOpenAI), aunread, aconversation(aunread, "d3"), stream=True
-                ),
-            ),
-            (
-                "diagnostic: AsyncOpenAI kvturn streamed + override, the stream not tracked",
-                asyn(
-                    aclient(openai.AsyncOpenAI),
-                    auntracked,
-                    aconversation(auntracked, "d4"),
-                    stream=True,
-                ),
-            ),
-        ]
-    comparisons = [Comparison(name, plain, other) for name, (plain, other) in rows]
+    comparisons = [Comparison(name, plain_call, other) for name, (plain_call, other) in rows]
+    run(comparisons, pairs, block, seed)
+    result = {
+        "rows": [{"name": c.name, "diffs": c.diffs, "plain_us": c.plain_us} for c in comparisons],
+        "turns": [conversation.turn_count for conversation in conversations],
+    }
+    for context, scope in scopes:
+        context.run(scope.__exit__, None, None, None)
+    for context, ascope in ascopes:
+        loop.run_until_complete(
+            loop.create_task(ascope.__aexit__(None, None, None), context=context)
+        )
+    for made in sync_clients:
+        made.close()
+    for amade in async_clients:
+        loop.run_until_complete(amade.close())
+    loop.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=4000, help="request pairs per comparison")
+    parser.add_argument(
+        "--block", type=int, default=50, help="consecutive pairs of one comparison per turn"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        help="fresh processes the pairs are split between, one after another (see the docstring)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "client_overhead.md"
+    )
+    parser.add_argument(
+        "--client-dir", type=Path, help="measure the client package in this directory instead"
+    )
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # seed; prints JSON
+    args = parser.parse_args()
+    if args.client_dir is not None:
+        use_client_from(args.client_dir.resolve())
+    if args.child is not None:
+        json.dump(measure(args.pairs, args.block, args.child), sys.stdout)
+        return
+
     started = time.monotonic()
-    run(comparisons, args.pairs, args.block)
+    per_process = math.ceil(args.pairs / args.processes)
+    pooled: dict[str, Comparison] = {}
+    turns: list[int] = []
+    for index in range(args.processes):
+        command = [sys.executable, __file__, "--pairs", str(per_process)]
+        command += ["--block", str(args.block), "--child", str(index + 1)]
+        if args.client_dir is not None:
+            command += ["--client-dir", str(args.client_dir)]
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        measured = json.loads(done.stdout)
+        for row in measured["rows"]:
+            pooled.setdefault(row["name"], Comparison(row["name"], _unused, _unused))
+            pooled[row["name"]].diffs += row["diffs"]
+            pooled[row["name"]].plain_us += row["plain_us"]
+            pooled[row["name"]].process_means.append(statistics.fmean(row["diffs"]))
+        turns += measured["turns"]
+        print(f"process {index + 1}/{args.processes} done", file=sys.stderr)
     elapsed = time.monotonic() - started
-    turns = [conversation.turn_count for conversation in conversations]
     try:
         hooks = hook_cost(20000)
     except (ImportError, AttributeError, TypeError):  # another version's internals
         hooks = math.nan
 
+    pairs = per_process * args.processes
     lines = [
         "# kvturn.client per-request overhead",
         "",
-        f"`benchmarks/client_overhead.py --pairs {args.pairs} --block {args.block}"
+        f"`benchmarks/client_overhead.py --pairs {args.pairs} --block {args.block} "
+        f"--processes {args.processes}"
         f"{'' if args.client_dir is None else f' --client-dir {args.client_dir}'}`: "
-        f"{args.pairs} request pairs per comparison, in blocks of {args.block} consecutive "
+        f"{pairs} request pairs per comparison, made by {args.processes} fresh processes one "
+        f"after another, each running its share in blocks of {args.block} consecutive "
         f"pairs, the comparisons taking turns in random order ({elapsed:.0f} s in all). "
         "Every client talks to "
         "an in-process `httpx2.MockTransport` (openai 3.x is built on httpx2), so no network "
         "or server time is included: what remains is client-side work, end to end through "
         "the SDK. A pair is one request of the plain client and one of the client under test, "
         "in random order; the table gives the mean of the per-pair differences ± its standard "
-        "error, and their median, in CPU µs of this process (all its threads). Clients are "
+        "error, and their median, in CPU µs of the process (all its threads). Clients are "
         "warmed up first; the garbage collector's full collections run between blocks, never "
         "inside a timed request (see the module docstring). "
         f"Python {platform.python_version()}, openai {openai.__version__}, "
         f"{platform.machine()}.",
         "",
-        "| comparison | plain µs / request (median) | added µs / request: mean ± s.e. | median |",
-        "|---|---:|---:|---:|",
-        *(comparison.row() for comparison in comparisons),
+        "| comparison | plain µs / request (median) | added µs / request: mean ± s.e. | median "
+        "| added / plain | process means |",
+        "|---|---:|---:|---:|---:|---:|",
+        *(comparison.row() for comparison in pooled.values()),
         "",
         "kvturn's own per-request work in a hot loop (turn start, tagging the request, "
         "response headers, turn end with beat planning; 20,000 iterations): "
@@ -589,17 +573,9 @@ def main() -> None:
     args.out.write_text(report)
     print(report)
 
-    for context, scope in scopes:
-        context.run(scope.__exit__, None, None, None)
-    for context, ascope in ascopes:
-        loop.run_until_complete(
-            loop.create_task(ascope.__aexit__(None, None, None), context=context)
-        )
-    for made in sync_clients:
-        made.close()
-    for amade in async_clients:
-        loop.run_until_complete(amade.close())
-    loop.close()
+
+def _unused() -> float:
+    raise AssertionError("pooled comparisons are not run")
 
 
 if __name__ == "__main__":

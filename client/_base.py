@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from asyncio import _get_running_loop
 from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any, Protocol
@@ -24,7 +23,7 @@ from openai._utils import is_given
 from openai.types.chat import ChatCompletion
 from pydantic import ValidationError
 
-from kvturn.control import CONVERSATIONS_PATH, HeartbeatRequest, HeartbeatResponse
+from kvturn.control import HeartbeatRequest, HeartbeatResponse
 from kvturn.headers import (
     CONVERSATION_ID,
     LEASE_SECONDS,
@@ -32,7 +31,7 @@ from kvturn.headers import (
 )
 
 from ._clock import Clock
-from ._conversation import Conversation, Turn, _current, sending_turn
+from ._conversation import Conversation, Turn, _current, finish_turn, sending_turn
 from ._headers import (
     PAUSE_KIND_ITEMS,
     PAUSE_MS_KEY,
@@ -46,6 +45,7 @@ from ._headers import (
 from ._heartbeats import HeartbeatSchedule, ScheduledBeat
 from ._replies import asks_for_tools
 from ._settings import KvturnSettings
+from ._streams import SDK_DECODER_IS_PLAIN, WatchingDecoder, WatchingWrapper
 
 __all__ = [
     "REFUSAL_STATUSES",
@@ -175,8 +175,6 @@ class KvturnCore:
         self.schedule = HeartbeatSchedule(settings, self._pause_of)
         self.worker: Worker | None = None
         self.conversations: dict[str, Conversation] = {}
-        #: Turns whose reply has not ended, by turn id: streams find theirs here.
-        self.open_turns: dict[str, Turn] = {}
         #: False once the server refused a control call: it is not a kvturn gateway.
         self.control_available = True
         self.closed = False
@@ -359,8 +357,6 @@ class BaseKvturnClient:
             conversation = self._kvturn_named_conversation(options)
             if conversation is None:
                 return None
-        if options.url.startswith(CONVERSATIONS_PATH):
-            return None  # control calls are not turns
         # The pause that ends here: consumed, so that a second request started before any reply
         # ends is parallel to this one, not paused. (Its beats stop by themselves: a due beat
         # finds a request in flight and drops its plan.)
@@ -377,19 +373,17 @@ class BaseKvturnClient:
         finally:
             lock.release()
         try:
-            turn_id, turn_id_item = turn_id_pool.pop()
+            turn_id_item = turn_id_pool.pop()
         except IndexError:
             refill_turn_ids()
-            turn_id, turn_id_item = turn_id_pool.pop()
+            turn_id_item = turn_id_pool.pop()
         turn = _new_turn(Turn)
         if ended_at is None:
-            turn.pause_sent = None
             turn.header_items = (conversation._id_item, turn_id_item)
         else:
             ms = round((now - ended_at) * 1000)
             if ms < 0:
                 ms = 0
-            turn.pause_sent = (ms, "tool" if tool else "user")
             turn.header_items = (
                 conversation._id_item,
                 turn_id_item,
@@ -397,7 +391,6 @@ class BaseKvturnClient:
                 _TOOL_PAUSE_ITEM if tool else _USER_PAUSE_ITEM,
             )
         turn.conversation = conversation
-        turn.turn_id = turn_id
         # Whether a header of ours may already be on the request (set by the caller, or among
         # the client's default headers): only then is each attempt's request searched for it.
         headers = options.headers
@@ -408,56 +401,18 @@ class BaseKvturnClient:
         conversation._history.append(turn)
         return turn
 
-    def _kvturn_open_turn(self, turn_id: str | None) -> Turn | None:
-        """The unfinished turn ``turn_id`` of a raw response, for its stream."""
-        return None if turn_id is None else self._kvturn.open_turns.get(turn_id)
-
     def _kvturn_finish(self, turn: Turn, tool_calls: bool) -> None:
         """The reply of ``turn`` ended (returned, stream exhausted or closed, or failed)."""
-        if turn.finished:
-            return
-        turn.finished = True
-        turn.tool_calls = tool_calls
-        if turn.awaits_stream:
-            self._kvturn.open_turns.pop(turn.turn_id, None)
-        conversation = turn.conversation
-        # The reply ended: the conversation is paused from now, if nothing else is in flight.
-        paused_at = conversation._clock()
-        lock = conversation._lock
-        lock.acquire()
-        try:
-            in_flight = conversation._in_flight - 1
-            if in_flight < 0:
-                in_flight = 0
-            conversation._in_flight = in_flight
-            conversation._reply_ended_at = paused_at
-            if tool_calls:
-                conversation._tool_pending = True
-        finally:
-            lock.release()
-        if in_flight:
-            return
-        # Nothing of the conversation is in flight any more: its beats must be planned. In
-        # steady state (replies seconds apart, a lease of tens of seconds) its plan's next beat
-        # already comes within this pause's first interval, and the schedule re-plans it from
-        # this pause when it comes due: nothing to do here.
-        beat = conversation._beat
-        if (
-            beat is not None
-            and paused_at < beat.next_at <= paused_at + conversation._first_beat_after
-        ):
-            if conversation._wake_each_pause:
-                # An async worker runs on one loop; only if that is not this one (the client
-                # moved to another loop, or the worker has yet to run) must it hear of this.
-                worker: Any = conversation._core.worker
-                if worker.live_loop is not _get_running_loop():
-                    worker.wake(beat.next_at)
-            return
-        core = conversation._core
-        if not core.beating or conversation.released:
-            return
-        beat = conversation._beat = core.schedule.pause_began(
-            conversation.id, paused_at, conversation._lease_seconds
-        )
-        if beat is not None and core.worker is not None:
-            core.worker.wake(beat.next_at)
+        finish_turn(turn, tool_calls)
+
+    def _make_sse_decoder(self) -> Any:
+        # Called as the SDK builds a stream: one made while a turn is being sent decodes its
+        # events watching for tool calls (see _streams.py).
+        turn = sending_turn.get()
+        if turn is None:
+            return super()._make_sse_decoder()  # type: ignore[misc]
+        if SDK_DECODER_IS_PLAIN:  # what the SDK's would be, plus the watch
+            decoder = WatchingDecoder()
+            decoder._kvturn_turn = turn
+            return decoder
+        return WatchingWrapper(super()._make_sse_decoder(), turn)  # type: ignore[misc]

@@ -2,7 +2,9 @@
 
 They hook the SDK's documented extension points. ``request()`` wraps one logical request,
 retries included: it starts the turn (a turn id every retry reuses, the pause before it) and
-ends it when the reply ends, swapping in stream classes that notice exhaustion or closing.
+ends it when the reply ends: on return, or for a stream when its HTTP response is closed
+(exhausted, failed, closed or collected; see ``_streams.py``). ``_make_sse_decoder()`` gives
+a stream made for a turn a decoder that watches its events for tool calls.
 ``_send_request()`` puts the turn's headers on each attempt's HTTP request and (sync) reads
 each attempt's response headers: lease length, plan, reused tokens (the async client reads the
 last attempt's, in ``_process_response()``).
@@ -19,7 +21,7 @@ from typing import Any, Self, TypeVar
 
 import httpx2
 import openai
-from openai import AsyncStream, Stream
+from openai import APIResponse, AsyncAPIResponse, AsyncStream, Stream
 from openai._constants import RAW_RESPONSE_HEADER
 from openai._models import FinalRequestOptions
 from openai._types import NotGiven, RequestOptions
@@ -38,11 +40,11 @@ from ._base import (
     tag_request_headers,
 )
 from ._clock import Clock, monotonic_clock
-from ._conversation import Conversation, _current
+from ._conversation import Conversation, _current, finish_turn
 from ._headers import new_conversation_id
 from ._heartbeats import HeartbeatTask, HeartbeatThread, ScheduledBeat
 from ._settings import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAUSE_SECONDS, KvturnSettings
-from ._streams import tracked_classes, tracked_stream_cls
+from ._streams import end_turn_with, late_stream_cls
 
 __all__ = ["AsyncConversationScope", "AsyncOpenAI", "ConversationScope", "OpenAI"]
 
@@ -190,48 +192,46 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
         turn = self._kvturn_begin(options, conversation)
         if turn is None:
             return super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
-        tracked = None
         raw_response = False
+        late = stream_cls
         if stream:
-            known = tracked_classes.get(id(stream_cls))  # tracked_stream_cls(), once made
-            if known is not None and known[0] is stream_cls:
-                tracked = known[1]
-            else:
-                tracked = tracked_stream_cls(stream_cls, asynchronous=False)
             headers = options.headers
             raw_response = type(headers) is dict and RAW_RESPONSE_HEADER in headers
+            if raw_response:  # its stream is built when the caller parses it
+                late = late_stream_cls(stream_cls, asynchronous=False) or stream_cls
         token = sending_turn.set(turn)
         try:
-            # A raw response builds its stream when the caller parses it: it gets the tracked
-            # class. A plain one is built by the SDK's own class (a tracked class would cost it
-            # a longer type lookup) and becomes a tracked stream right after.
-            result: Any = super().request(
-                cast_to, options, stream=stream, stream_cls=tracked if raw_response else stream_cls
-            )
+            result: Any = super().request(cast_to, options, stream=stream, stream_cls=late)
         except BaseException:
-            self._kvturn_finish(turn, False)
+            finish_turn(turn, False)
             raise
         finally:
             sending_turn.reset(token)
-        if tracked is None:
+        if not stream:
             if type(result) is ChatCompletion:  # result_asks_for_tools(), inline
                 tools = False
                 for choice in result.choices:
                     if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
                         tools = True
+            elif isinstance(result, (APIResponse, AsyncAPIResponse)):
+                # with_streaming_response: the reply ends when its body is read and closed.
+                if end_turn_with(result.http_response, turn, asynchronous=False):
+                    return result
+                tools = False
             else:
                 tools = result_asks_for_tools(result)
-            self._kvturn_finish(turn, tools)
-        elif type(result) is Stream:
-            result.__class__ = tracked  # same layout: a subclass adding only methods
-            result._kvturn_turn = turn  # type: ignore[attr-defined]  # its end ends the turn
+            finish_turn(turn, tools)
+            return result
+        # A stream: the turn ends when its response is closed (see _streams.py).
+        response: Any
+        if isinstance(result, Stream):
+            response = result.response
         elif raw_response:
-            # The stream is built when the caller parses the response, and finds the turn by
-            # its id.
-            turn.awaits_stream = True
-            self._kvturn.open_turns[turn.turn_id] = turn
+            response = getattr(result, "http_response", None)
         else:  # not a stream after all: nothing will tell when the reply ends
-            self._kvturn_finish(turn, False)
+            response = None
+        if response is None or not end_turn_with(response, turn, asynchronous=False):
+            finish_turn(turn, turn.tools_seen)
         return result
 
     def _send_request(
@@ -267,6 +267,7 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
         self, entry: ScheduledBeat, conversation: Conversation, body: HeartbeatRequest
     ) -> float | None:
         core = self._kvturn
+        outside = _current.set(None)  # a control call is no turn of any conversation
         try:
             response = self.post(
                 heartbeat_path(conversation.id),
@@ -281,10 +282,13 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
             log.debug("kvturn: heartbeat error: %r", exc)
             core.control_failed("heartbeat", conversation.id, None)
             return entry.interval
+        finally:
+            _current.reset(outside)
         return core.heartbeat_answered(entry, response.content)
 
     def _kvturn_release(self, conversation_id: str) -> None:
         core = self._kvturn
+        outside = _current.set(None)  # a control call is no turn of any conversation
         try:
             self.delete(
                 release_path(conversation_id),
@@ -296,6 +300,8 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
         except Exception as exc:
             log.debug("kvturn: release error: %r", exc)
             core.control_failed("release", conversation_id, None)
+        finally:
+            _current.reset(outside)
 
 
 def _sync_beat(core: KvturnCore) -> Any:
@@ -416,48 +422,46 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         turn = self._kvturn_begin(options, conversation)
         if turn is None:
             return await super().request(cast_to, options, stream=stream, stream_cls=stream_cls)
-        tracked = None
         raw_response = False
+        late = stream_cls
         if stream:
-            known = tracked_classes.get(id(stream_cls))  # tracked_stream_cls(), once made
-            if known is not None and known[0] is stream_cls:
-                tracked = known[1]
-            else:
-                tracked = tracked_stream_cls(stream_cls, asynchronous=True)
             headers = options.headers
             raw_response = type(headers) is dict and RAW_RESPONSE_HEADER in headers
+            if raw_response:  # its stream is built when the caller parses it
+                late = late_stream_cls(stream_cls, asynchronous=True) or stream_cls
         token = sending_turn.set(turn)
         try:
-            # A raw response builds its stream when the caller parses it: it gets the tracked
-            # class. A plain one is built by the SDK's own class (a tracked class would cost it
-            # a longer type lookup) and becomes a tracked stream right after.
-            result: Any = await super().request(
-                cast_to, options, stream=stream, stream_cls=tracked if raw_response else stream_cls
-            )
+            result: Any = await super().request(cast_to, options, stream=stream, stream_cls=late)
         except BaseException:
-            self._kvturn_finish(turn, False)
+            finish_turn(turn, False)
             raise
         finally:
             sending_turn.reset(token)
-        if tracked is None:
+        if not stream:
             if type(result) is ChatCompletion:  # result_asks_for_tools(), inline
                 tools = False
                 for choice in result.choices:
                     if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
                         tools = True
+            elif isinstance(result, (APIResponse, AsyncAPIResponse)):
+                # with_streaming_response: the reply ends when its body is read and closed.
+                if end_turn_with(result.http_response, turn, asynchronous=True):
+                    return result
+                tools = False
             else:
                 tools = result_asks_for_tools(result)
-            self._kvturn_finish(turn, tools)
-        elif type(result) is AsyncStream:
-            result.__class__ = tracked  # same layout: a subclass adding only methods
-            result._kvturn_turn = turn  # type: ignore[attr-defined]  # its end ends the turn
+            finish_turn(turn, tools)
+            return result
+        # A stream: the turn ends when its response is closed (see _streams.py).
+        response: Any
+        if isinstance(result, AsyncStream):
+            response = result.response
         elif raw_response:
-            # The stream is built when the caller parses the response, and finds the turn by
-            # its id.
-            turn.awaits_stream = True
-            self._kvturn.open_turns[turn.turn_id] = turn
+            response = getattr(result, "http_response", None)
         else:  # not a stream after all: nothing will tell when the reply ends
-            self._kvturn_finish(turn, False)
+            response = None
+        if response is None or not end_turn_with(response, turn, asynchronous=True):
+            finish_turn(turn, turn.tools_seen)
         return result
 
     # Both hooks are plain functions handing back the SDK's coroutine: an ``async def``
@@ -515,6 +519,7 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         self, entry: ScheduledBeat, conversation: Conversation, body: HeartbeatRequest
     ) -> float | None:
         core = self._kvturn
+        outside = _current.set(None)  # a control call is no turn of any conversation
         try:
             response = await self.post(
                 heartbeat_path(conversation.id),
@@ -529,10 +534,13 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
             log.debug("kvturn: heartbeat error: %r", exc)
             core.control_failed("heartbeat", conversation.id, None)
             return entry.interval
+        finally:
+            _current.reset(outside)
         return core.heartbeat_answered(entry, response.content)
 
     async def _kvturn_release(self, conversation_id: str) -> None:
         core = self._kvturn
+        outside = _current.set(None)  # a control call is no turn of any conversation
         try:
             await self.delete(
                 release_path(conversation_id),
@@ -544,6 +552,8 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
         except Exception as exc:
             log.debug("kvturn: release error: %r", exc)
             core.control_failed("release", conversation_id, None)
+        finally:
+            _current.reset(outside)
 
 
 class ConversationScope:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from asyncio import _get_running_loop
 from collections import deque
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from ._base import KvturnCore
     from ._heartbeats import ScheduledBeat
 
-__all__ = ["Conversation", "Turn", "current_conversation"]
+__all__ = ["Conversation", "Turn", "current_conversation", "finish_turn"]
 
 #: How many past turns a conversation remembers for inspection; bounded so a long-lived
 #: agent does not grow without end.
@@ -50,8 +51,11 @@ class Turn:
     #: The response headers of the turn's last attempt (httpx's raw triples), read on demand.
     answer: list[HeaderItem] | None = None
     finished: bool = False
-    #: Whether a stream to be built later (a raw response's) will end it: findable by id.
-    awaits_stream: bool = False
+    #: Whether the streamed reply has called tools so far (set as its events are decoded).
+    tools_seen: bool = False
+    #: The streamed reply's HTTP response until it closes (weakly: a response dropped unread
+    #: ends the turn as it is collected).
+    _response: weakref.ref[Any] | None = None
     #: Whether the request must drop same-named headers before adding these (the caller or the
     #: client's default headers set one of them).
     replace_headers: bool = False
@@ -59,12 +63,15 @@ class Turn:
     # Set by the client when it makes the turn (BaseKvturnClient._kvturn_begin, which fills
     # them in directly: no __init__ call on the per-request path).
     conversation: Conversation
-    turn_id: str
-    #: The pause before this turn as ``(ms, kind)``, as sent in the headers (see ``pause``).
-    pause_sent: tuple[int, PauseKind] | None
     #: The headers every attempt of this turn carries, in httpx's raw form (made once per
-    #: turn, appended as they are to each attempt's request).
+    #: turn, appended as they are to each attempt's request): the conversation id, the turn
+    #: id, and after a pause its length and kind. The turn id and pause are read from them.
     header_items: tuple[HeaderItem, ...]
+
+    @property
+    def turn_id(self) -> str:
+        """The turn id every attempt of this turn carries."""
+        return self.header_items[1][2].decode("ascii")
 
     @property
     def conversation_id(self) -> str:
@@ -75,7 +82,11 @@ class Turn:
     def pause(self) -> Pause | None:
         """The pause before this turn, as sent in the headers (``None`` on a first or parallel
         turn)."""
-        return None if self.pause_sent is None else Pause(*self.pause_sent)
+        items = self.header_items
+        if len(items) < 4:
+            return None
+        kind: PauseKind = "tool" if items[3][2] == b"tool" else "user"
+        return Pause(ms=int(items[2][2]), kind=kind)
 
     @property
     def plan(self) -> str | None:
@@ -93,6 +104,36 @@ class Turn:
     def headers(self) -> dict[str, str]:
         """The headers every attempt of this turn carries."""
         return {name.decode(): value.decode() for name, _, value in self.header_items}
+
+    # -- the end of a streamed reply: these replace its HTTP response's close()/aclose() -------
+
+    def _end_reply(self) -> None:
+        """``response.close()`` of a streamed reply: close it, and the turn ends."""
+        ref = self._response
+        self._response = None
+        response = None if ref is None else ref()
+        try:
+            if response is not None:
+                type(response).close(response)
+        finally:
+            finish_turn(self, self.tools_seen)
+
+    async def _aend_reply(self) -> None:
+        """``response.aclose()`` of a streamed reply: close it, and the turn ends."""
+        ref = self._response
+        self._response = None
+        response = None if ref is None else ref()
+        try:
+            if response is not None:
+                await type(response).aclose(response)
+        finally:
+            finish_turn(self, self.tools_seen)
+
+    def _response_gone(self, ref: weakref.ref[Any]) -> None:
+        # Collected without being closed (a stream dropped before it was iterated).
+        if self._response is ref:
+            self._response = None
+            finish_turn(self, self.tools_seen)
 
     def __repr__(self) -> str:
         return (
@@ -128,8 +169,10 @@ class Conversation:
         # The client whose scope opened it last: heartbeats go out through that client.
         self._owner: weakref.ref[Any] | None = None
         # The pause clock, under the lock (sync clients may share a conversation between
-        # threads, and streams end on whichever thread closes them). The client starts and
-        # ends turns on it (BaseKvturnClient._kvturn_begin/_kvturn_finish).
+        # threads, and streams end on whichever thread closes them). The client starts turns
+        # on it (BaseKvturnClient._kvturn_begin), finish_turn() ends them. Nothing the garbage
+        # collector tracks is made while it is held: a collection could run a weakref callback
+        # that ends a turn (Turn._response_gone), which takes this lock.
         self._lock = threading.Lock()
         self._clock = clock
         self._in_flight = 0
@@ -192,11 +235,11 @@ class Conversation:
         """The pause in progress, or ``None`` while a request is in flight (or before the
         first reply)."""
         now = self._clock()
-        with self._lock:
+        with self._lock:  # (nothing the garbage collector tracks is made under the lock)
             if self._in_flight or self._reply_ended_at is None:
                 return None
-            ms = max(0, round((now - self._reply_ended_at) * 1000))
-            return Pause(ms=ms, kind="tool" if self._tool_pending else "user")
+            ended_at, tool = self._reply_ended_at, self._tool_pending
+        return Pause(ms=max(0, round((now - ended_at) * 1000)), kind="tool" if tool else "user")
 
     def _paused_since(self) -> float | None:
         """When the pause in progress began (``None`` while a request is in flight)."""
@@ -217,6 +260,54 @@ class Conversation:
         """Report that a tool finished (the pause goes on until the next request)."""
         with self._lock:
             self._tools_running = max(0, self._tools_running - 1)
+
+
+def finish_turn(turn: Turn, tool_calls: bool) -> None:
+    """The reply of ``turn`` ended (returned, stream exhausted or closed, or failed): the
+    conversation is paused from now if nothing else of it is in flight."""
+    if turn.finished:
+        return
+    conversation = turn.conversation
+    paused_at = conversation._clock()
+    lock = conversation._lock
+    lock.acquire()  # explicit acquire/release: a ``with`` costs more than what it guards
+    try:
+        if turn.finished:  # ended meanwhile on another thread (a stream closed while read)
+            return
+        turn.finished = True
+        turn.tool_calls = tool_calls
+        in_flight = conversation._in_flight - 1
+        if in_flight < 0:
+            in_flight = 0
+        conversation._in_flight = in_flight
+        conversation._reply_ended_at = paused_at
+        if tool_calls:
+            conversation._tool_pending = True
+    finally:
+        lock.release()
+    if in_flight:
+        return
+    # Nothing of the conversation is in flight any more: its beats must be planned. In steady
+    # state (replies seconds apart, a lease of tens of seconds) its plan's next beat already
+    # comes within this pause's first interval, and the schedule re-plans it from this pause
+    # when it comes due: nothing to do here.
+    beat = conversation._beat
+    if beat is not None and paused_at < beat.next_at <= paused_at + conversation._first_beat_after:
+        if conversation._wake_each_pause:
+            # An async worker runs on one loop; only if that is not this one (the client moved
+            # to another loop, or the worker has yet to run) must it hear of this.
+            worker: Any = conversation._core.worker
+            if worker.live_loop is not _get_running_loop():
+                worker.wake(beat.next_at)
+        return
+    core = conversation._core
+    if not core.beating or conversation.released:
+        return
+    beat = conversation._beat = core.schedule.pause_began(
+        conversation.id, paused_at, conversation._lease_seconds
+    )
+    if beat is not None and core.worker is not None:
+        core.worker.wake(beat.next_at)
 
 
 _current: ContextVar[Conversation | None] = ContextVar("kvturn_conversation", default=None)

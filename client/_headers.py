@@ -63,19 +63,18 @@ def new_conversation_id() -> str:
 _turn_rng = random.Random(os.urandom(32))
 _turn_bits = _turn_rng.getrandbits
 
-#: Turn ids made ahead, each with its header item, popped one per turn. Making one (random bits,
+#: Turn ids made ahead, as their header items, popped one per turn. Making one (random bits,
 #: hex formatting, encoding) amid the SDK's work, with cold caches, costs several microseconds;
 #: a batch made at once costs a fraction of that per id. ``list.pop`` is atomic, so threads
 #: never get the same id; a thread finding the list empty makes a batch of its own.
 TURN_ID_BATCH = 64
-turn_id_pool: list[tuple[str, HeaderItem]] = []
+turn_id_pool: list[HeaderItem] = []
 
 
 def refill_turn_ids() -> None:
     """Add a batch of fresh turn ids to :data:`turn_id_pool`."""
     key, lower = TURN_ID.encode("ascii"), TURN_ID.lower().encode("ascii")
-    batch = [f"{_turn_bits(128):032x}" for _ in range(TURN_ID_BATCH)]
-    turn_id_pool.extend([(turn_id, (key, lower, turn_id.encode("ascii"))) for turn_id in batch])
+    turn_id_pool.extend([(key, lower, b"%032x" % _turn_bits(128)) for _ in range(TURN_ID_BATCH)])
 
 
 def _after_fork_in_child() -> None:
@@ -89,10 +88,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def new_turn_id() -> str:
     """A fresh random turn id: 32 hex digits, opaque to the gateway."""
     try:
-        return turn_id_pool.pop()[0]
+        return turn_id_pool.pop()[2].decode("ascii")
     except IndexError:
         refill_turn_ids()
-        return turn_id_pool.pop()[0]
+        return turn_id_pool.pop()[2].decode("ascii")
 
 
 def conversation_id_from(value: str) -> str:

@@ -5,8 +5,8 @@ to the start of the next request in the same conversation. It is a *tool* pause 
 asked for tool calls (or an adapter saw a tool start), otherwise a *user* pause. With parallel
 requests the conversation only counts as paused while nothing is in flight.
 
-The pause clock is part of each :class:`~kvturn.client.Conversation`; the client starts and
-ends its turns (``BaseKvturnClient._kvturn_begin``/``_kvturn_finish``).
+The pause clock is part of each :class:`~kvturn.client.Conversation`; the client starts its
+turns (``BaseKvturnClient._kvturn_begin``) and ``finish_turn`` ends them.
 """
 
 from __future__ import annotations

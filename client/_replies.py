@@ -8,11 +8,12 @@ API objects and their stream events.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-__all__ = ["asks_for_tools"]
+__all__ = ["TOOL_MARK", "asks_for_tools", "event_asks_for_tools"]
 
 # Responses API output items the *client* must execute; hosted tools (web search, file search,
 # code interpreter) run server-side and leave no pause.
@@ -60,4 +61,63 @@ def asks_for_tools(reply: Any) -> bool:
     output = getattr(reply, "output", None)
     if isinstance(output, list):
         return any(getattr(item, "type", None) in _CLIENT_TOOL_ITEMS for item in output)
+    return False
+
+
+#: In the JSON of any event that :func:`event_asks_for_tools` can answer yes for: "tool_calls"
+#: and every client tool item type end in it. Events without it need no parsing.
+TOOL_MARK = "_call"
+
+
+#: JSON, compact (vLLM, OpenAI) or with Python's default spacing, that can only be a chunk
+#: calling tools: a quote inside a JSON string is escaped, so these never match a text that
+#: merely mentions them.
+_SURE_TOOL_CALLS = (
+    '"tool_calls":[{',
+    '"finish_reason":"tool_calls"',
+    '"tool_calls": [{',
+    '"finish_reason": "tool_calls"',
+)
+
+
+def event_asks_for_tools(data: str) -> bool:
+    """:func:`asks_for_tools` for a streamed event's JSON text, before the SDK parses it.
+
+    Called only for events whose text holds :data:`TOOL_MARK`: a chat chunk's tool call is
+    recognised as text, anything else (Responses API events, other spacing, a text that
+    merely mentions a tool call) costs a parse.
+    """
+    sure = _SURE_TOOL_CALLS
+    if sure[0] in data or sure[1] in data or sure[2] in data or sure[3] in data:
+        return True
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return False
+    if not isinstance(event, dict):
+        return False
+    choices = event.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason") == "tool_calls":
+                return True
+            message = choice.get("delta") or choice.get("message")
+            if isinstance(message, dict) and message.get("tool_calls"):
+                return True
+        return False
+    kind = event.get("type")
+    if kind in _OUTPUT_ITEM_EVENTS:
+        item = event.get("item")
+        return isinstance(item, dict) and item.get("type") in _CLIENT_TOOL_ITEMS
+    if kind == "response.completed":
+        event = event.get("response")
+        if not isinstance(event, dict):
+            return False
+    output = event.get("output")
+    if isinstance(output, list):
+        return any(
+            isinstance(item, dict) and item.get("type") in _CLIENT_TOOL_ITEMS for item in output
+        )
     return False

@@ -1,232 +1,195 @@
-"""Stream classes that end a turn when the stream is exhausted or closed.
+"""Streamed replies: when they end, and whether they called tools.
 
-The client makes the streams of conversation requests tracked ones, so whichever path builds
-the stream (a plain ``create(stream=True)``, or ``with_raw_response`` parsed later) the pause
-starts when the reply really ends, not when its headers arrive: a stream the SDK built becomes
-one (its class is swapped for the tracked subclass, which adds only methods), and a raw
-response is given the tracked class to build its stream with.
+A streamed turn ends when its reply does, not when its headers arrive. Every way a stream of
+the SDK ends goes through its HTTP response's ``close()``/``aclose()``: exhausted (the SDK
+closes the response after the last event), failed, closed by the caller, or left unfinished
+and collected (its generator's ``finally`` closes it). So the client replaces that method on
+the one response of a streamed turn (:func:`end_turn_with`) with the turn's own, which closes
+the response and ends the turn; a response collected without ever being closed (a stream
+dropped before it was iterated) ends it too, through a weak reference. Whatever class the
+stream is, iterating it costs what it costs with the plain client.
 
-They replace ``__iter__``/``__next__`` (and their async twins) rather than wrap
-``__stream__``: iterating one costs no more generator layers per chunk than a plain stream,
-only the tool-call check. The reply ends when the SDK's own iterator is exhausted or fails, on
-``close()``, or when an abandoned stream is collected (as an abandoned generator's ``finally``
-would); leaving a ``for`` loop early does not end it (the stream can go on).
+Tool calls are noticed as the events are decoded, before the SDK parses them: a stream made
+while a turn is being sent gets a decoder (:class:`WatchingDecoder`) that looks for
+``"_call"`` in each event's text and parses only the events that hold it. The chunks are not
+read: every attribute read on a pydantic model goes through its ``__getattr__`` hook.
+
+A raw response's stream (``with_raw_response``, LangChain's path) is built later, when the
+caller parses it: it is given a class (:func:`late_stream_cls`) that finds its turn on the
+response and watches its events the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
+import weakref
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, TypeVar, get_origin
+from typing import Any, get_origin
 
+import openai
 from openai import AsyncStream, Stream
-from openai._streaming import extract_stream_chunk_type
-from openai.types.chat import ChatCompletionChunk
-
-from kvturn.headers import TURN_ID
+from openai._base_client import BaseClient
+from openai._streaming import ServerSentEvent, SSEDecoder, extract_stream_chunk_type
 
 from ._conversation import Turn
-from ._replies import asks_for_tools
+from ._replies import TOOL_MARK, event_asks_for_tools
 
 __all__ = [
-    "TrackedAsyncStream",
-    "TrackedStream",
-    "tracked_classes",
-    "tracked_stream_cls",
+    "SDK_DECODER_IS_PLAIN",
+    "WatchingDecoder",
+    "WatchingWrapper",
+    "end_turn_with",
+    "late_stream_cls",
+    "turn_of",
 ]
 
-_T = TypeVar("_T")
+
+def _sdk_decoder_is_plain() -> bool:
+    """Whether the SDK decodes events as this module's fast path assumes: its clients make a
+    plain ``SSEDecoder``, which decodes each network chunk's lines in ``_decode_lines`` into
+    events that keep their text in ``_data``. Otherwise (another SDK version) the client's own
+    decoder is wrapped, which costs one more generator step per event."""
+    makes_plain = (
+        openai.OpenAI._make_sse_decoder is BaseClient._make_sse_decoder
+        and openai.AsyncOpenAI._make_sse_decoder is BaseClient._make_sse_decoder
+    )
+    decode_lines = getattr(SSEDecoder, "_decode_lines", None)
+    uses_decode_lines = all(
+        "_decode_lines"
+        in getattr(getattr(getattr(SSEDecoder, name, None), "__code__", None), "co_names", ())
+        for name in ("iter_bytes", "aiter_bytes")
+    )
+    try:
+        keeps_data = ServerSentEvent(data="x")._data == "x"
+    except Exception:
+        keeps_data = False
+    return makes_plain and decode_lines is not None and uses_decode_lines and keeps_data
 
 
-def _choice_calls_tools(choice: Any) -> bool:
-    return choice.finish_reason == "tool_calls" or bool(choice.delta.tool_calls)
+SDK_DECODER_IS_PLAIN = _sdk_decoder_is_plain()
 
 
-def _end_turn(stream: TrackedStream[Any] | TrackedAsyncStream[Any]) -> None:
-    if stream._kvturn_ended:
-        return
-    stream._kvturn_ended = True
-    client: Any = stream._client
-    turn = stream._kvturn_turn
-    if turn is None:
-        # Built after its request returned (with_raw_response): find the turn by its id.
-        turn = client._kvturn_open_turn(stream.response.request.headers.get(TURN_ID))
-        if turn is None:
-            return
-    client._kvturn_finish(turn, stream._kvturn_tools)
+class WatchingDecoder(SSEDecoder):
+    """The SDK's SSE decoder, noting on its turn when an event calls tools.
 
+    Made as the SDK's is (no arguments), then given its turn: ``_kvturn_turn``.
+    """
 
-class TrackedStream(Stream[_T]):
-    """A ``Stream`` that reports the end of its reply to the kvturn client."""
+    _kvturn_turn: Turn
 
-    #: The turn, set by the client when its request returns the stream (else found by id).
-    _kvturn_turn: Turn | None = None
-    _kvturn_tools: bool = False
-    _kvturn_ended: bool = False
-
-    def __next__(self) -> _T:
-        try:
-            item = self._iterator.__next__()
-        except BaseException:  # exhausted (StopIteration) or failed: the reply is over
-            _end_turn(self)
-            raise
-        if not self._kvturn_tools and asks_for_tools(item):
-            self._kvturn_tools = True
-        return item
-
-    def __iter__(self) -> Iterator[_T]:
-        # The same generator over the SDK's iterator as Stream.__iter__ (not ``yield from``,
-        # which would close it when the caller leaves a loop early), plus the tool-call check
-        # of each item up to the first that calls tools.
-        iterator: Iterator[Any] = self._iterator
-        try:
-            if not self._kvturn_tools:
-                tools = False
-                if self._cast_to is ChatCompletionChunk:
-                    for item in iterator:
-                        for choice in item.choices:  # asks_for_tools(), inline: per chunk
-                            if choice.finish_reason or choice.delta.tool_calls:
-                                tools = tools or _choice_calls_tools(choice)
-                        if tools:
-                            self._kvturn_tools = True
-                            yield item
-                            break
-                        yield item
-                else:
-                    for item in iterator:
-                        if asks_for_tools(item):
-                            self._kvturn_tools = True
-                            yield item
-                            break
-                        yield item
-            for item in iterator:
-                yield item
-        except GeneratorExit:  # the caller left the loop: the stream itself goes on
-            raise
-        except BaseException:
-            _end_turn(self)
-            raise
+    def _decode_lines(self, lines: Iterator[bytes]) -> Iterator[ServerSentEvent]:
+        # SSEDecoder._decode_lines, plus the look at each event's text.
         turn = self._kvturn_turn
-        if turn is not None and not self._kvturn_ended:  # _end_turn(), its common case inline
-            self._kvturn_ended = True
-            client: Any = self._client
-            client._kvturn_finish(turn, self._kvturn_tools)
-            # Done: a plain stream again, which spares its collection the finalizer call.
-            self.__class__ = Stream  # type: ignore[assignment]
+        for raw_line in lines:
+            sse = self.decode(raw_line.decode("utf-8"))
+            if sse:
+                if (
+                    not turn.tools_seen
+                    and TOOL_MARK in sse._data
+                    and event_asks_for_tools(sse._data)
+                ):
+                    turn.tools_seen = True
+                yield sse
+
+
+class WatchingWrapper:
+    """Any SSE decoder (the client's own), noting on its turn when an event calls tools."""
+
+    def __init__(self, decoder: Any, turn: Turn) -> None:
+        self._decoder = decoder
+        self._turn = turn
+
+    def _saw(self, sse: Any) -> None:
+        data = sse.data
+        if not self._turn.tools_seen and TOOL_MARK in data and event_asks_for_tools(data):
+            self._turn.tools_seen = True
+
+    def iter_bytes(self, iterator: Iterator[bytes]) -> Iterator[ServerSentEvent]:
+        for sse in self._decoder.iter_bytes(iterator):
+            self._saw(sse)
+            yield sse
+
+    async def aiter_bytes(self, iterator: AsyncIterator[bytes]) -> AsyncIterator[ServerSentEvent]:
+        async for sse in self._decoder.aiter_bytes(iterator):
+            self._saw(sse)
+            yield sse
+
+
+def watching(decoder: Any, turn: Turn) -> Any:
+    """``decoder`` (unused, not yet started) replaced by one that watches for ``turn``."""
+    if SDK_DECODER_IS_PLAIN and type(decoder) is SSEDecoder:
+        watching_decoder = WatchingDecoder()
+        watching_decoder._kvturn_turn = turn
+        return watching_decoder
+    return WatchingWrapper(decoder, turn)
+
+
+def end_turn_with(response: Any, turn: Turn, *, asynchronous: bool) -> bool:
+    """Make the closing of ``response`` (a streamed reply's) end ``turn``; False if it cannot
+    be hooked (then the caller ends the turn itself)."""
+    try:
+        if asynchronous:
+            response.aclose = turn._aend_reply
         else:
-            _end_turn(self)
-
-    def close(self) -> None:
-        """Close the response; the reply (and so the turn) ends here if not before."""
-        try:
-            super().close()
-        finally:
-            _end_turn(self)
-
-    def __del__(self) -> None:
-        if not self._kvturn_ended:
-            with contextlib.suppress(AttributeError):  # its construction failed: no turn
-                _end_turn(self)
+            response.close = turn._end_reply
+        turn._response = weakref.ref(response, turn._response_gone)
+    except (AttributeError, TypeError):  # an HTTP response class without a __dict__
+        return False
+    return True
 
 
-class TrackedAsyncStream(AsyncStream[_T]):
-    """An ``AsyncStream`` that reports the end of its reply to the kvturn client."""
-
-    _kvturn_turn: Turn | None = None
-    _kvturn_tools: bool = False
-    _kvturn_ended: bool = False
-
-    async def __anext__(self) -> _T:
-        try:
-            item = await self._iterator.__anext__()
-        except BaseException:  # exhausted (StopAsyncIteration), failed or cancelled
-            _end_turn(self)
-            raise
-        if not self._kvturn_tools and asks_for_tools(item):
-            self._kvturn_tools = True
-        return item
-
-    async def __aiter__(self) -> AsyncIterator[_T]:
-        # As TrackedStream.__iter__.
-        iterator: AsyncIterator[Any] = self._iterator
-        try:
-            if not self._kvturn_tools:
-                tools = False
-                if self._cast_to is ChatCompletionChunk:
-                    async for item in iterator:
-                        for choice in item.choices:  # asks_for_tools(), inline: per chunk
-                            if choice.finish_reason or choice.delta.tool_calls:
-                                tools = tools or _choice_calls_tools(choice)
-                        if tools:
-                            self._kvturn_tools = True
-                            yield item
-                            break
-                        yield item
-                else:
-                    async for item in iterator:
-                        if asks_for_tools(item):
-                            self._kvturn_tools = True
-                            yield item
-                            break
-                        yield item
-            async for item in iterator:
-                yield item
-        except GeneratorExit:  # the caller left the loop: the stream itself goes on
-            raise
-        except BaseException:
-            _end_turn(self)
-            raise
-        turn = self._kvturn_turn
-        if turn is not None and not self._kvturn_ended:  # _end_turn(), its common case inline
-            self._kvturn_ended = True
-            client: Any = self._client
-            client._kvturn_finish(turn, self._kvturn_tools)
-            # Done: a plain stream again, which spares its collection the finalizer call.
-            self.__class__ = AsyncStream  # type: ignore[assignment]
-        else:
-            _end_turn(self)
-
-    async def close(self) -> None:
-        """Close the response; the reply (and so the turn) ends here if not before."""
-        try:
-            await super().close()
-        finally:
-            _end_turn(self)
-
-    def __del__(self) -> None:
-        if not self._kvturn_ended:
-            with contextlib.suppress(AttributeError):  # its construction failed: no turn
-                _end_turn(self)
+def turn_of(response: Any) -> Turn | None:
+    """The turn whose end ``response`` is hooked to, if any."""
+    hooks = getattr(response, "__dict__", {})
+    hook = hooks.get("close") or hooks.get("aclose")
+    turn = getattr(hook, "__self__", None)
+    return turn if type(turn) is Turn else None
 
 
-# Tracked classes by the SDK's stream class (``Stream[X]``), made once (None for a class of the
-# caller's own). Each is a concrete
-# subclass of TrackedStream whose ``__orig_bases__`` names ``Stream[X]``: the SDK reads the
-# chunk type from there (as for any ``class MyStream(Stream[X])``) and constructs it directly,
-# where a ``TrackedStream[X]`` alias would cost a typing call and a longer type lookup per
-# request. Keyed by id(): hashing a typing alias runs Python code (the entry keeps the alias
-# alive, so its id is not reused).
-tracked_classes: dict[int, tuple[Any, Any]] = {}
+class _LateStream(Stream[Any]):
+    """A raw response's stream, built when the caller parses it: watches for its turn."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        turn = turn_of(self.response)
+        if turn is not None:
+            self._decoder = watching(self._decoder, turn)
 
 
-def tracked_stream_cls(stream_cls: Any, *, asynchronous: bool) -> Any | None:
-    """The tracked equivalent of ``Stream[X]``/``AsyncStream[X]``; ``None`` for custom classes,
-    whose behaviour a swap would lose (their turn then ends when the request returns)."""
-    cached = tracked_classes.get(id(stream_cls))
+class _LateAsyncStream(AsyncStream[Any]):
+    """The async twin of :class:`_LateStream`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        turn = turn_of(self.response)
+        if turn is not None:
+            self._decoder = watching(self._decoder, turn)
+
+
+# Late classes by the SDK's stream class (``Stream[X]``), made once (None for a class of the
+# caller's own). Each is a concrete subclass whose ``__orig_bases__`` names ``Stream[X]``: the
+# SDK reads the chunk type from there, as for any ``class MyStream(Stream[X])``. Keyed by id():
+# hashing a typing alias runs Python code (the entry keeps the alias alive, so its id is not
+# reused).
+_late_classes: dict[int, tuple[Any, Any]] = {}
+
+
+def late_stream_cls(stream_cls: Any, *, asynchronous: bool) -> Any | None:
+    """The class a raw response builds its ``Stream[X]``/``AsyncStream[X]`` with; ``None`` for
+    a class of the caller's own (kept: its events then go unwatched)."""
+    cached = _late_classes.get(id(stream_cls))
     if cached is not None and cached[0] is stream_cls:
         return cached[1]
     if stream_cls is None:
         return None
     base = AsyncStream if asynchronous else Stream
-    if (get_origin(stream_cls) or stream_cls) is not base:
-        tracked_classes[id(stream_cls)] = (stream_cls, None)  # the answer is kept too
-        return None
-    chunk = extract_stream_chunk_type(stream_cls)
-    generic = TrackedAsyncStream if asynchronous else TrackedStream
-    tracked = type(
-        f"{generic.__name__}[{getattr(chunk, '__name__', chunk)}]",
-        (generic,),
-        {"__orig_bases__": (stream_cls,), "__module__": __name__},
-    )
-    tracked_classes[id(stream_cls)] = (stream_cls, tracked)
-    return tracked
+    late: Any = None
+    if (get_origin(stream_cls) or stream_cls) is base:
+        chunk = extract_stream_chunk_type(stream_cls)
+        generic = _LateAsyncStream if asynchronous else _LateStream
+        late = type(
+            f"{generic.__name__}[{getattr(chunk, '__name__', chunk)}]",
+            (generic,),
+            {"__orig_bases__": (stream_cls,), "__module__": __name__},
+        )
+    _late_classes[id(stream_cls)] = (stream_cls, late)
+    return late

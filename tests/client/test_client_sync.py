@@ -261,6 +261,22 @@ def test_release_reaches_the_gateway(stub: StubGateway) -> None:
     assert "to-release" not in client.kvturn_conversations
 
 
+def test_control_calls_inside_another_conversation_are_not_its_turns(stub: StubGateway) -> None:
+    client = make_client(stub, release_on_exit=False)
+    with client.conversation("outer") as outer:
+        ask(client)
+        with client.conversation("inner", release=True):
+            ask(client)
+        client.release_conversation("elsewhere")  # not known here: released all the same
+        with client.conversation("kept"):
+            ask(client)
+        client.release_conversation("kept")
+        assert outer.turn_count == 1 and outer.in_flight == 0
+    assert stub.releases == ["inner", "elsewhere", "kept"]
+    control = [r for r in stub.requests if "/conversations/" in r.path]
+    assert len(control) == 3 and all(CID not in r.headers for r in control)
+
+
 def test_no_release_when_asked_not_to_and_the_pause_carries_over(stub: StubGateway) -> None:
     client = make_client(stub, release_on_exit=False)
     with client.conversation("kept"):
