@@ -14,6 +14,7 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 import kvturn.client._base
+import kvturn.client._streams
 from kvturn.client import AsyncOpenAI, OpenAI
 from kvturn.client._streams import SDK_DECODER_IS_PLAIN
 
@@ -67,6 +68,7 @@ def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     for any other (another SDK version's, a client's own)."""
     if request.param == "any decoder":
         monkeypatch.setattr(kvturn.client._base, "SDK_DECODER_IS_PLAIN", False)
+        monkeypatch.setattr(kvturn.client._streams, "SDK_DECODER_IS_PLAIN", False)
     return str(request.param)
 
 
