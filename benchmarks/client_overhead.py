@@ -298,11 +298,8 @@ def hook_cost(iterations: int) -> float:
     from openai._models import FinalRequestOptions
     from openai.types.chat import ChatCompletion
 
-    from kvturn.client._base import (
-        observe_response_headers,
-        result_asks_for_tools,
-        tag_request_headers,
-    )
+    from kvturn.client._base import observe_response_headers, tag_request_headers
+    from kvturn.client._replies import result_asks_for_tools
 
     client = make(kvturn.client.OpenAI)
     reply = ChatCompletion.model_validate(COMPLETION)

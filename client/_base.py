@@ -15,12 +15,9 @@ from collections.abc import Mapping
 from operator import itemgetter
 from typing import Any, Protocol
 
-from openai import APIResponse, AsyncAPIResponse
-from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
 from openai._types import NotGiven
 from openai._utils import is_given
-from openai.types.chat import ChatCompletion
 from pydantic import ValidationError
 
 from kvturn.control import HeartbeatRequest, HeartbeatResponse
@@ -43,7 +40,6 @@ from ._headers import (
     turn_id_pool,
 )
 from ._heartbeats import HeartbeatSchedule, ScheduledBeat
-from ._replies import asks_for_tools
 from ._settings import KvturnSettings
 from ._streams import SDK_DECODER_IS_PLAIN, WatchingDecoder, WatchingWrapper
 
@@ -135,25 +131,6 @@ def observe_response_headers(turn: Turn, headers: Any) -> None:
     if seconds > 0:
         conversation.lease_seconds = seconds
         conversation._beat = None  # plan the next pause's beats for the new lease
-
-
-def result_asks_for_tools(result: object) -> bool:
-    """Whether what ``request()`` returned (non-streamed) asks for tool calls."""
-    if type(result) is ChatCompletion:  # the common case first: no isinstance chain
-        for choice in result.choices:
-            if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
-                return True
-        return False
-    if isinstance(result, LegacyAPIResponse):
-        # with_raw_response (LangChain's path): the body is already read and parse() caches,
-        # so the caller's own parse() costs nothing extra.
-        try:
-            return asks_for_tools(result.parse())
-        except Exception:
-            return False
-    if isinstance(result, (APIResponse, AsyncAPIResponse)):
-        return False  # with_streaming_response: the body is not read yet
-    return asks_for_tools(result)
 
 
 class Worker(Protocol):

@@ -21,7 +21,6 @@ from typing import Any, Self, TypeVar
 
 import httpx2
 import openai
-from openai import APIResponse, AsyncAPIResponse, AsyncStream, Stream
 from openai._constants import RAW_RESPONSE_HEADER
 from openai._models import FinalRequestOptions
 from openai._types import NotGiven, RequestOptions
@@ -35,7 +34,6 @@ from ._base import (
     KvturnCore,
     names_turn_headers,
     observe_response_headers,
-    result_asks_for_tools,
     sending_turn,
     tag_request_headers,
 )
@@ -44,7 +42,7 @@ from ._conversation import Conversation, _current, finish_turn
 from ._headers import new_conversation_id
 from ._heartbeats import HeartbeatTask, HeartbeatThread, ScheduledBeat
 from ._settings import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAUSE_SECONDS, KvturnSettings
-from ._streams import end_turn_with, late_stream_cls
+from ._streams import late_stream_cls, reply_returned
 
 __all__ = ["AsyncConversationScope", "AsyncOpenAI", "ConversationScope", "OpenAI"]
 
@@ -207,31 +205,16 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
             raise
         finally:
             sending_turn.reset(token)
-        if not stream:
-            if type(result) is ChatCompletion:  # result_asks_for_tools(), inline
-                tools = False
-                for choice in result.choices:
-                    if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
-                        tools = True
-            elif isinstance(result, (APIResponse, AsyncAPIResponse)):
-                # with_streaming_response: the reply ends when its body is read and closed.
-                if end_turn_with(result.http_response, turn, asynchronous=False):
-                    return result
-                tools = False
-            else:
-                tools = result_asks_for_tools(result)
+        if not stream and type(result) is ChatCompletion:  # the common case, inline
+            tools = False
+            for choice in result.choices:
+                if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
+                    tools = True
             finish_turn(turn, tools)
-            return result
-        # A stream: the turn ends when its response is closed (see _streams.py).
-        response: Any
-        if isinstance(result, Stream):
-            response = result.response
-        elif raw_response:
-            response = getattr(result, "http_response", None)
-        else:  # not a stream after all: nothing will tell when the reply ends
-            response = None
-        if response is None or not end_turn_with(response, turn, asynchronous=False):
-            finish_turn(turn, turn.tools_seen)
+        else:
+            reply_returned(
+                turn, result, streamed=stream, raw_response=raw_response, asynchronous=False
+            )
         return result
 
     def _send_request(
@@ -437,31 +420,16 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
             raise
         finally:
             sending_turn.reset(token)
-        if not stream:
-            if type(result) is ChatCompletion:  # result_asks_for_tools(), inline
-                tools = False
-                for choice in result.choices:
-                    if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
-                        tools = True
-            elif isinstance(result, (APIResponse, AsyncAPIResponse)):
-                # with_streaming_response: the reply ends when its body is read and closed.
-                if end_turn_with(result.http_response, turn, asynchronous=True):
-                    return result
-                tools = False
-            else:
-                tools = result_asks_for_tools(result)
+        if not stream and type(result) is ChatCompletion:  # the common case, inline
+            tools = False
+            for choice in result.choices:
+                if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
+                    tools = True
             finish_turn(turn, tools)
-            return result
-        # A stream: the turn ends when its response is closed (see _streams.py).
-        response: Any
-        if isinstance(result, AsyncStream):
-            response = result.response
-        elif raw_response:
-            response = getattr(result, "http_response", None)
-        else:  # not a stream after all: nothing will tell when the reply ends
-            response = None
-        if response is None or not end_turn_with(response, turn, asynchronous=True):
-            finish_turn(turn, turn.tools_seen)
+        else:
+            reply_returned(
+                turn, result, streamed=stream, raw_response=raw_response, asynchronous=True
+            )
         return result
 
     # Both hooks are plain functions handing back the SDK's coroutine: an ``async def``

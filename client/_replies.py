@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from openai._legacy_response import LegacyAPIResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-__all__ = ["TOOL_MARK", "asks_for_tools", "event_asks_for_tools"]
+__all__ = ["TOOL_MARK", "asks_for_tools", "event_asks_for_tools", "result_asks_for_tools"]
 
 # Responses API output items the *client* must execute; hosted tools (web search, file search,
 # code interpreter) run server-side and leave no pause.
@@ -62,6 +63,18 @@ def asks_for_tools(reply: Any) -> bool:
     if isinstance(output, list):
         return any(getattr(item, "type", None) in _CLIENT_TOOL_ITEMS for item in output)
     return False
+
+
+def result_asks_for_tools(result: object) -> bool:
+    """Whether what ``request()`` returned (non-streamed, its body read) asks for tool calls."""
+    if isinstance(result, LegacyAPIResponse):
+        # with_raw_response (LangChain's path): the body is already read and parse() caches,
+        # so the caller's own parse() costs nothing extra.
+        try:
+            return asks_for_tools(result.parse())
+        except Exception:
+            return False
+    return asks_for_tools(result)
 
 
 #: In the JSON of any event that :func:`event_asks_for_tools` can answer yes for: "tool_calls"

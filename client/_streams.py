@@ -1,10 +1,12 @@
-"""Streamed replies: when they end, and whether they called tools.
+"""When a reply ends, and whether a streamed one called tools.
 
-A streamed turn ends when its reply does, not when its headers arrive. Every way a stream of
+A turn ends when its reply does (:func:`reply_returned`): a read body when ``request()``
+returns; a stream, or a body left to read, when its HTTP response closes, not when its headers
+arrive. Every way a stream of
 the SDK ends goes through its HTTP response's ``close()``/``aclose()``: exhausted (the SDK
 closes the response after the last event), failed, closed by the caller, or left unfinished
 and collected (its generator's ``finally`` closes it). So the client replaces that method on
-the one response of a streamed turn (:func:`end_turn_with`) with the turn's own, which closes
+the one response of a streamed turn with the turn's own, which closes
 the response and ends the turn; a response collected without ever being closed (a stream
 dropped before it was iterated) ends it too, through a weak reference. Whatever class the
 stream is, iterating it costs what it costs with the plain client.
@@ -26,19 +28,19 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, get_origin
 
 import openai
-from openai import AsyncStream, Stream
+from openai import APIResponse, AsyncAPIResponse, AsyncStream, Stream
 from openai._base_client import BaseClient
 from openai._streaming import ServerSentEvent, SSEDecoder, extract_stream_chunk_type
 
-from ._conversation import Turn
-from ._replies import TOOL_MARK, event_asks_for_tools
+from ._conversation import Turn, finish_turn
+from ._replies import TOOL_MARK, event_asks_for_tools, result_asks_for_tools
 
 __all__ = [
     "SDK_DECODER_IS_PLAIN",
     "WatchingDecoder",
     "WatchingWrapper",
-    "end_turn_with",
     "late_stream_cls",
+    "reply_returned",
     "turn_of",
 ]
 
@@ -123,18 +125,35 @@ def watching(decoder: Any, turn: Turn) -> Any:
     return WatchingWrapper(decoder, turn)
 
 
-def end_turn_with(response: Any, turn: Turn, *, asynchronous: bool) -> bool:
-    """Make the closing of ``response`` (a streamed reply's) end ``turn``; False if it cannot
-    be hooked (then the caller ends the turn itself)."""
-    try:
-        if asynchronous:
-            response.aclose = turn._aend_reply
-        else:
-            response.close = turn._end_reply
-        turn._response = weakref.ref(response, turn._response_gone)
-    except (AttributeError, TypeError):  # an HTTP response class without a __dict__
-        return False
-    return True
+def reply_returned(
+    turn: Turn, result: Any, *, streamed: bool, raw_response: bool, asynchronous: bool
+) -> None:
+    """``request()`` returned ``result`` for ``turn``: end the turn now, or make the closing of
+    the reply's HTTP response end it (a stream, or a body not read yet)."""
+    response: Any
+    if streamed:
+        if isinstance(result, (Stream, AsyncStream)):
+            response = result.response
+        elif raw_response:  # its stream is built when the caller parses it
+            response = getattr(result, "http_response", None)
+        else:  # not a stream after all: nothing will tell when the reply ends
+            response = None
+    elif isinstance(result, (APIResponse, AsyncAPIResponse)):
+        response = result.http_response  # with_streaming_response: the body is read later
+    else:
+        finish_turn(turn, result_asks_for_tools(result))
+        return
+    if response is not None:
+        try:
+            if asynchronous:
+                response.aclose = turn._aend_reply
+            else:
+                response.close = turn._end_reply
+            turn._response = weakref.ref(response, turn._response_gone)
+            return
+        except (AttributeError, TypeError):  # an HTTP response class without a __dict__
+            pass
+    finish_turn(turn, turn.tools_seen)
 
 
 def turn_of(response: Any) -> Turn | None:
