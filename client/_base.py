@@ -297,7 +297,9 @@ class BaseKvturnClient:
 
     _kvturn: KvturnCore
     #: Whether the client's own default headers (SDK or HTTP client level) name a turn header.
-    _kvturn_replace_headers: bool = False
+    #: Set by ``__init__`` (no class-level default: reading one through an instance is not
+    #: specialised by CPython 3.11).
+    _kvturn_replace_headers: bool
 
     @property
     def kvturn_settings(self) -> KvturnSettings:
@@ -371,10 +373,14 @@ class BaseKvturnClient:
         # Whether a header of ours may already be on the request (set by the caller, or among
         # the client's default headers): only then is each attempt's request searched for it.
         headers = options.headers
-        if self._kvturn_replace_headers or (
+        turn.replace_headers = self._kvturn_replace_headers or (
             type(headers) is not NotGiven and names_turn_headers(headers)
-        ):
-            turn.replace_headers = True
+        )
+        turn.answer = None
+        turn.finished = False
+        turn.tool_calls = False
+        turn.tools_seen = False
+        turn._response = None
         conversation._history.append(turn)
         return turn
 

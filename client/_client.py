@@ -212,9 +212,7 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
                     tools = True
             finish_turn(turn, tools)
         else:
-            reply_returned(
-                turn, result, streamed=stream, raw_response=raw_response, asynchronous=False
-            )
+            reply_returned(turn, result, stream, raw_response, False)
         return result
 
     def _send_request(
@@ -427,9 +425,7 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                     tools = True
             finish_turn(turn, tools)
         else:
-            reply_returned(
-                turn, result, streamed=stream, raw_response=raw_response, asynchronous=True
-            )
+            reply_returned(turn, result, stream, raw_response, True)
         return result
 
     # Both hooks are plain functions handing back the SDK's coroutine: an ``async def``

@@ -6,6 +6,7 @@ import threading
 import weakref
 from asyncio import _get_running_loop
 from collections import deque
+from collections.abc import Awaitable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -38,35 +39,55 @@ def _answer_value(answer: list[HeaderItem] | None, lower_name: bytes) -> bytes |
     return None
 
 
+async def _closed() -> None:
+    """What a second ``aclose()`` of an already closed streamed reply awaits: nothing."""
+
+
 class Turn:
     """One request of a conversation (all its SDK retries share the turn id) and its outcome.
 
     Made by the client, one per request; read them from ``Conversation.turns``.
     """
 
-    # Only what differs between turns is set when one is made; the rest reads from these
-    # class-level defaults until set.
-    #: Whether the reply asked for tool calls (known once finished).
-    tool_calls: bool = False
-    #: The response headers of the turn's last attempt (httpx's raw triples), read on demand.
-    answer: list[HeaderItem] | None = None
-    finished: bool = False
-    #: Whether the streamed reply has called tools so far (set as its events are decoded).
-    tools_seen: bool = False
-    #: The streamed reply's HTTP response until it closes (weakly: a response dropped unread
-    #: ends the turn as it is collected).
-    _response: weakref.ref[Any] | None = None
-    #: Whether the request must drop same-named headers before adding these (the caller or the
-    #: client's default headers set one of them).
-    replace_headers: bool = False
+    # Slots, every one set when the turn is made (BaseKvturnClient._kvturn_begin fills them in
+    # directly: no __init__ call on the per-request path). CPython 3.11 specialises a slot
+    # read; it cannot specialise the read of a class-level default through an instance, which
+    # then takes the generic look-up (and its type-cache luck) on every request.
+    __slots__ = {
+        "_response": (
+            "The streamed reply's HTTP response until it closes (weakly: a response dropped "
+            "unread ends the turn as it is collected)."
+        ),
+        "answer": (
+            "The response headers of the turn's last attempt (httpx's raw triples), read on "
+            "demand; None until one arrives."
+        ),
+        "conversation": "The conversation the turn belongs to.",
+        "finished": "Whether the turn's reply has ended.",
+        "header_items": (
+            "The headers every attempt of this turn carries, in httpx's raw form (made once "
+            "per turn, appended as they are to each attempt's request): the conversation id, "
+            "the turn id, and after a pause its length and kind. The turn id and pause are "
+            "read from them."
+        ),
+        "replace_headers": (
+            "Whether the request must drop same-named headers before adding these (the caller "
+            "or the client's default headers set one of them)."
+        ),
+        "tool_calls": "Whether the reply asked for tool calls (known once finished).",
+        "tools_seen": (
+            "Whether the streamed reply has called tools so far (set as its events are decoded)."
+        ),
+    }
 
-    # Set by the client when it makes the turn (BaseKvturnClient._kvturn_begin, which fills
-    # them in directly: no __init__ call on the per-request path).
     conversation: Conversation
-    #: The headers every attempt of this turn carries, in httpx's raw form (made once per
-    #: turn, appended as they are to each attempt's request): the conversation id, the turn
-    #: id, and after a pause its length and kind. The turn id and pause are read from them.
     header_items: tuple[HeaderItem, ...]
+    replace_headers: bool
+    answer: list[HeaderItem] | None
+    finished: bool
+    tool_calls: bool
+    tools_seen: bool
+    _response: weakref.ref[Any] | None
 
     @property
     def turn_id(self) -> str:
@@ -114,20 +135,31 @@ class Turn:
         response = None if ref is None else ref()
         try:
             if response is not None:
+                # The hook ends the turn once: later calls (the SDK closes a finished stream
+                # more than once) go straight to the response's own method.
+                try:  # noqa: SIM105  (contextlib.suppress costs ten times more)
+                    del response.close
+                except AttributeError:  # removed by someone else
+                    pass
                 type(response).close(response)
         finally:
             finish_turn(self, self.tools_seen)
 
-    async def _aend_reply(self) -> None:
-        """``response.aclose()`` of a streamed reply: close it, and the turn ends."""
+    def _aend_reply(self) -> Awaitable[None]:
+        """``response.aclose()`` of a streamed reply: the turn ends, and the response's own
+        ``aclose()`` is handed back for the caller to await (a plain function: an ``async``
+        one would add a coroutine of its own to every streamed turn)."""
         ref = self._response
         self._response = None
         response = None if ref is None else ref()
-        try:
-            if response is not None:
-                await type(response).aclose(response)
-        finally:
-            finish_turn(self, self.tools_seen)
+        finish_turn(self, self.tools_seen)
+        if response is None:  # called again through a reference kept to the hook
+            return _closed()
+        try:  # noqa: SIM105  (later calls: the response's own, as above)
+            del response.aclose
+        except AttributeError:
+            pass
+        return type(response).aclose(response)  # type: ignore[no-any-return]
 
     def _response_gone(self, ref: weakref.ref[Any]) -> None:
         # Collected without being closed (a stream dropped before it was iterated).

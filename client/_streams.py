@@ -126,7 +126,7 @@ def watching(decoder: Any, turn: Turn) -> Any:
 
 
 def reply_returned(
-    turn: Turn, result: Any, *, streamed: bool, raw_response: bool, asynchronous: bool
+    turn: Turn, result: Any, streamed: bool, raw_response: bool, asynchronous: bool
 ) -> None:
     """``request()`` returned ``result`` for ``turn``: end the turn now, or make the closing of
     the reply's HTTP response end it (a stream, or a body not read yet)."""

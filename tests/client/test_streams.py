@@ -202,3 +202,47 @@ def test_closing_a_stream_early_ends_the_turn_with_what_was_seen() -> None:
         stream.close()  # a second close changes nothing
         assert conversation.turn_count == 1 and conversation.in_flight == 0
     client.close()
+
+
+def test_a_finished_streams_response_closes_as_its_own_again() -> None:
+    client = _client(TEXT + STOP)
+    with client.conversation() as conversation:
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        hook = stream.response.close  # a reference kept to the hook, e.g. by an exit stack
+        assert "close" in vars(stream.response)
+        assert len(list(stream)) == 3
+        # The turn ended once; later closes (the SDK's own, the caller's) are the response's.
+        assert "close" not in vars(stream.response) and stream.response.is_closed
+        assert conversation.in_flight == 0 and conversation.turns[0].finished
+        hook()
+        stream.close()
+        assert conversation.turn_count == 1 and conversation.in_flight == 0
+    client.close()
+
+
+async def test_a_finished_async_streams_response_closes_as_its_own_again() -> None:
+    async def body() -> AsyncIterator[bytes]:
+        for chunk in AUTO + STOP:
+            yield chunk
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    client = AsyncOpenAI(
+        base_url="http://stub.invalid/v1",
+        api_key="x",
+        heartbeats=False,
+        release_on_exit=False,
+        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(answer)),
+    )
+    async with client.conversation() as conversation:
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        hook = stream.response.aclose
+        assert "aclose" in vars(stream.response)
+        assert len([chunk async for chunk in stream]) == 3
+        assert "aclose" not in vars(stream.response) and stream.response.is_closed
+        assert conversation.in_flight == 0 and conversation.turns[0].tool_calls is True
+        await hook()  # called again: nothing left to do, and it can still be awaited
+        await stream.close()
+        assert conversation.turn_count == 1 and conversation.in_flight == 0
+    await client.close()
