@@ -18,9 +18,11 @@ from collections.abc import Coroutine
 from contextvars import Token
 from types import TracebackType
 from typing import Any, Self, TypeVar
+from weakref import ref as weak_ref
 
 import httpx2
 import openai
+from openai import AsyncStream, Stream
 from openai._constants import RAW_RESPONSE_HEADER
 from openai._models import FinalRequestOptions
 from openai._types import NotGiven, RequestOptions
@@ -205,14 +207,22 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
             raise
         finally:
             sending_turn.reset(token)
-        if not stream and type(result) is ChatCompletion:  # the common case, inline
+        # The common cases inline; reply_returned() has them all.
+        if stream:
+            if type(result) is Stream:
+                response = result.response
+                if type(response) is httpx2.Response:  # (has a __dict__ to hook)
+                    response.close = turn._end_reply  # type: ignore[method-assign]
+                    turn._response = weak_ref(response, turn._response_gone)
+                    return result
+        elif type(result) is ChatCompletion:
             tools = False
             for choice in result.choices:
                 if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
                     tools = True
             finish_turn(turn, tools)
-        else:
-            reply_returned(turn, result, stream, raw_response, False)
+            return result
+        reply_returned(turn, result, stream, raw_response, False)
         return result
 
     def _send_request(
@@ -418,14 +428,22 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
             raise
         finally:
             sending_turn.reset(token)
-        if not stream and type(result) is ChatCompletion:  # the common case, inline
+        # The common cases inline; reply_returned() has them all.
+        if stream:
+            if type(result) is AsyncStream:
+                response = result.response
+                if type(response) is httpx2.Response:  # (has a __dict__ to hook)
+                    response.aclose = turn._aend_reply  # type: ignore[method-assign]
+                    turn._response = weak_ref(response, turn._response_gone)
+                    return result
+        elif type(result) is ChatCompletion:
             tools = False
             for choice in result.choices:
                 if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
                     tools = True
             finish_turn(turn, tools)
-        else:
-            reply_returned(turn, result, stream, raw_response, True)
+            return result
+        reply_returned(turn, result, stream, raw_response, True)
         return result
 
     # Both hooks are plain functions handing back the SDK's coroutine: an ``async def``

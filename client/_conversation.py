@@ -6,7 +6,7 @@ import threading
 import weakref
 from asyncio import _get_running_loop
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -145,7 +145,7 @@ class Turn:
         finally:
             finish_turn(self, self.tools_seen)
 
-    def _aend_reply(self) -> Awaitable[None]:
+    def _aend_reply(self) -> Coroutine[Any, Any, None]:
         """``response.aclose()`` of a streamed reply: the turn ends, and the response's own
         ``aclose()`` is handed back for the caller to await (a plain function: an ``async``
         one would add a coroutine of its own to every streamed turn)."""
@@ -159,7 +159,7 @@ class Turn:
             del response.aclose
         except AttributeError:
             pass
-        return type(response).aclose(response)  # type: ignore[no-any-return]
+        return type(response).aclose(response)
 
     def _response_gone(self, ref: weakref.ref[Any]) -> None:
         # Collected without being closed (a stream dropped before it was iterated).

@@ -61,7 +61,6 @@ def new_conversation_id() -> str:
 # os.urandom is a system call (~10 us on some sandboxes). Reseeded in forked children so
 # processes never share a sequence.
 _turn_rng = random.Random(os.urandom(32))
-_turn_bits = _turn_rng.getrandbits
 
 #: Turn ids made ahead, as their header items, popped one per turn. Making one (random bits,
 #: hex formatting, encoding) amid the SDK's work, with cold caches, costs several microseconds;
@@ -74,7 +73,8 @@ turn_id_pool: list[HeaderItem] = []
 def refill_turn_ids() -> None:
     """Add a batch of fresh turn ids to :data:`turn_id_pool`."""
     key, lower = TURN_ID.encode("ascii"), TURN_ID.lower().encode("ascii")
-    turn_id_pool.extend([(key, lower, b"%032x" % _turn_bits(128)) for _ in range(TURN_ID_BATCH)])
+    digits = _turn_rng.randbytes(16 * TURN_ID_BATCH).hex().encode("ascii")  # 32 per id
+    turn_id_pool.extend([(key, lower, digits[i : i + 32]) for i in range(0, len(digits), 32)])
 
 
 def _after_fork_in_child() -> None:

@@ -79,17 +79,17 @@ class WatchingDecoder(SSEDecoder):
     _kvturn_turn: Turn
 
     def _decode_lines(self, lines: Iterator[bytes]) -> Iterator[ServerSentEvent]:
-        # SSEDecoder._decode_lines, plus the look at each event's text.
-        turn = self._kvturn_turn
+        # SSEDecoder._decode_lines, plus the look at each event's text. (Called once per
+        # network chunk, which mostly holds one event: the turn is not kept in a local.)
         for raw_line in lines:
             sse = self.decode(raw_line.decode("utf-8"))
             if sse:
                 if (
-                    not turn.tools_seen
+                    not self._kvturn_turn.tools_seen
                     and TOOL_MARK in sse._data
                     and event_asks_for_tools(sse._data)
                 ):
-                    turn.tools_seen = True
+                    self._kvturn_turn.tools_seen = True
                 yield sse
 
 
