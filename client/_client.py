@@ -52,6 +52,14 @@ log = logging.getLogger("kvturn.client")
 
 _R = TypeVar("_R")
 
+# _DIRECT: on a turn's path, a client of exactly these classes calls the SDK's methods as
+# ``_SDK.method(self, ...)``, which finds what ``super().method(...)`` would (no kvturn class
+# between them defines one) without making a super object and walking the MRO each call;
+# read at call time, so a method patched onto the SDK's classes later is still the one called.
+# A subclass of ours may put classes of its own in between: it goes through super().
+_SDK = openai.OpenAI
+_ASYNC_SDK = openai.AsyncOpenAI
+
 
 def _settings_from(
     settings: KvturnSettings | None,
@@ -201,7 +209,10 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
                 late = late_stream_cls(stream_cls, asynchronous=False) or stream_cls
         token = sending_turn.set(turn)
         try:
-            result: Any = super().request(cast_to, options, stream=stream, stream_cls=late)
+            if type(self) is OpenAI:  # (see _DIRECT)
+                result: Any = _SDK.request(self, cast_to, options, stream=stream, stream_cls=late)
+            else:
+                result = super().request(cast_to, options, stream=stream, stream_cls=late)
         except BaseException:
             finish_turn(turn, False)
             raise
@@ -240,7 +251,10 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
             if headers._encoding is None:
                 headers.encoding  # noqa: B018  (see tag_request_headers)
             headers._list.extend(turn.header_items)
-        response = super()._send_request(request, stream=stream, **kwargs)
+        if type(self) is OpenAI:  # (see _DIRECT)
+            response = _SDK._send_request(self, request, stream=stream, **kwargs)
+        else:
+            response = super()._send_request(request, stream=stream, **kwargs)
         # observe_response_headers() inline, for its common case: the lease as last time.
         raw = response.headers._list
         turn.answer = raw
@@ -422,7 +436,12 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                 late = late_stream_cls(stream_cls, asynchronous=True) or stream_cls
         token = sending_turn.set(turn)
         try:
-            result: Any = await super().request(cast_to, options, stream=stream, stream_cls=late)
+            if type(self) is AsyncOpenAI:  # (see _DIRECT)
+                result: Any = await _ASYNC_SDK.request(
+                    self, cast_to, options, stream=stream, stream_cls=late
+                )
+            else:
+                result = await super().request(cast_to, options, stream=stream, stream_cls=late)
         except BaseException:
             finish_turn(turn, False)
             raise
@@ -462,6 +481,8 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                 if headers._encoding is None:
                     headers.encoding  # noqa: B018  (see tag_request_headers)
                 headers._list.extend(turn.header_items)
+            if type(self) is AsyncOpenAI:  # (see _DIRECT)
+                return _ASYNC_SDK._send_request(self, request, stream=stream, **kwargs)
         return super()._send_request(request, stream=stream, **kwargs)
 
     def _process_response(  # type: ignore[override]
@@ -486,6 +507,16 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                 at < len(raw) and raw[at][1] == LEASE_KEY and raw[at][2] == conversation._lease_raw
             ):
                 observe_response_headers(turn, response.headers)
+        if turn is not None and type(self) is AsyncOpenAI:  # (see _DIRECT)
+            return _ASYNC_SDK._process_response(
+                self,
+                cast_to=cast_to,
+                options=options,
+                response=response,
+                stream=stream,
+                stream_cls=stream_cls,
+                retries_taken=retries_taken,
+            )
         return super()._process_response(
             cast_to=cast_to,
             options=options,

@@ -1,15 +1,16 @@
 """When a reply ends, and whether a streamed one called tools.
 
-A turn ends when its reply does (:func:`reply_returned`): a read body when ``request()``
-returns; a stream, or a body left to read, when its HTTP response closes, not when its headers
-arrive. Every way a stream of
-the SDK ends goes through its HTTP response's ``close()``/``aclose()``: exhausted (the SDK
-closes the response after the last event), failed, closed by the caller, or left unfinished
-and collected (its generator's ``finally`` closes it). So the client replaces that method on
-the one response of a streamed turn with the turn's own, which closes
-the response and ends the turn; a response collected without ever being closed (a stream
-dropped before it was iterated) ends it too, through a weak reference. Whatever class the
-stream is, iterating it costs what it costs with the plain client.
+A turn ends when its reply does (:func:`reply_returned`; ``request()`` has its common cases
+inline): a read body when ``request()`` returns; a stream, or a body left to read, when its
+HTTP response closes, not when its headers arrive. Every way a stream of the SDK ends goes
+through its HTTP response's ``close()``/``aclose()``: exhausted (the SDK closes the response
+after the last event), failed, closed by the caller, or left unfinished and collected (its
+generator's ``finally`` closes it). So the client replaces that method on the one response
+of a streamed turn with the turn's own, which ends the turn, removes itself (the SDK closes a
+finished stream two or three times: the later calls are the response's own) and closes the
+response. A response collected without ever being closed (a stream dropped before it was
+iterated) ends its turn too, through a weak reference. Whatever class the stream is,
+iterating it costs what it costs with the plain client.
 
 Tool calls are noticed as the events are decoded, before the SDK parses them: a stream made
 while a turn is being sent gets a decoder (:class:`WatchingDecoder`) that looks for

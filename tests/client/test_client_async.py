@@ -6,8 +6,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx2
+import openai
 import pytest
 import pytest_asyncio
 from kvturn_stub_gateway import StubGateway
@@ -214,3 +216,44 @@ def test_heartbeats_follow_the_client_to_a_new_event_loop(stub: StubGateway) -> 
     assert len(stub.heartbeats) - before >= 2
     asyncio.run(client.with_options(http_client=httpx2.AsyncClient()).release_conversation("loops"))
     assert stub.releases == ["loops"]
+
+
+class _Counting(openai.AsyncOpenAI):
+    """Another subclass of the SDK's client, overriding what kvturn overrides."""
+
+    calls: list[str] = []
+
+    async def request(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("request")
+        return await super().request(*args, **kwargs)
+
+    def _send_request(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("send")
+        return super()._send_request(*args, **kwargs)
+
+    def _process_response(self, **kwargs: Any) -> Any:
+        self.calls.append("process")
+        return super()._process_response(**kwargs)
+
+
+class _Mixed(AsyncOpenAI, _Counting):
+    """The SDK subclass comes after kvturn's in the MRO: kvturn's hooks must reach it."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_subclass_with_another_sdk_subclass_in_between_keeps_both(
+    stub: StubGateway, stream: bool
+) -> None:
+    _Counting.calls = []
+    client = _Mixed(base_url=stub.url, api_key="test", heartbeats=False, release_on_exit=False)
+    try:
+        async with client.conversation("mixed") as conversation:
+            reply = await ask(client, stream=stream)
+            if stream:
+                async for _ in reply:  # type: ignore[attr-defined]
+                    pass
+        assert _Counting.calls == ["request", "send", "process"]
+        assert stub.chat_requests()[0].headers[CID] == "mixed"
+        assert conversation.turn_count == 1 and conversation.in_flight == 0
+    finally:
+        await client.close()

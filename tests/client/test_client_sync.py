@@ -10,7 +10,9 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import openai
 import pytest
 from kvturn_stub_gateway import StubGateway
 from kvturn_test_helpers import TOOLS, USER, tool_result
@@ -309,6 +311,40 @@ def test_with_options_and_copy_keep_kvturn(stub: StubGateway) -> None:
         client.with_options(timeout=5.0).chat.completions.create(model="m", messages=USER)
     assert stub.chat_requests()[0].headers[CID] == "shared"
     assert conversation.turn_count == 1
+
+
+class _Counting(openai.OpenAI):
+    """Another subclass of the SDK's client, overriding what kvturn overrides."""
+
+    calls: list[str] = []
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("request")
+        return super().request(*args, **kwargs)
+
+    def _send_request(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("send")
+        return super()._send_request(*args, **kwargs)
+
+
+class _Mixed(OpenAI, _Counting):
+    """The SDK subclass comes after kvturn's in the MRO: kvturn's hooks must reach it."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_subclass_with_another_sdk_subclass_in_between_keeps_both(
+    stub: StubGateway, stream: bool
+) -> None:
+    _Counting.calls = []
+    client = _Mixed(base_url=stub.url, api_key="test", heartbeats=False, release_on_exit=False)
+    _opened.append(client)
+    with client.conversation("mixed") as conversation:
+        reply = ask(client, stream=stream)
+        if stream:
+            list(reply)  # type: ignore[call-overload]
+    assert _Counting.calls == ["request", "send"]
+    assert stub.chat_requests()[0].headers[CID] == "mixed"
+    assert conversation.turn_count == 1 and conversation.in_flight == 0
 
 
 def test_parallel_requests_in_one_conversation(stub: StubGateway) -> None:
