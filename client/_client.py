@@ -52,7 +52,7 @@ log = logging.getLogger("kvturn.client")
 
 _R = TypeVar("_R")
 
-# _DIRECT: on a turn's path, a client of exactly these classes calls the SDK's methods as
+# On a turn's path, a client of exactly these classes calls the SDK's methods as
 # ``_SDK.method(self, ...)``, which finds what ``super().method(...)`` would (no kvturn class
 # between them defines one) without making a super object and walking the MRO each call;
 # read at call time, so a method patched onto the SDK's classes later is still the one called.
@@ -209,7 +209,7 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
                 late = late_stream_cls(stream_cls, asynchronous=False) or stream_cls
         token = sending_turn.set(turn)
         try:
-            if type(self) is OpenAI:  # (see _DIRECT)
+            if type(self) is OpenAI:  # (see _SDK)
                 result: Any = _SDK.request(self, cast_to, options, stream=stream, stream_cls=late)
             else:
                 result = super().request(cast_to, options, stream=stream, stream_cls=late)
@@ -251,7 +251,7 @@ class OpenAI(BaseKvturnClient, openai.OpenAI):
             if headers._encoding is None:
                 headers.encoding  # noqa: B018  (see tag_request_headers)
             headers._list.extend(turn.header_items)
-        if type(self) is OpenAI:  # (see _DIRECT)
+        if type(self) is OpenAI:  # (see _SDK)
             response = _SDK._send_request(self, request, stream=stream, **kwargs)
         else:
             response = super()._send_request(request, stream=stream, **kwargs)
@@ -436,7 +436,7 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                 late = late_stream_cls(stream_cls, asynchronous=True) or stream_cls
         token = sending_turn.set(turn)
         try:
-            if type(self) is AsyncOpenAI:  # (see _DIRECT)
+            if type(self) is AsyncOpenAI:  # (see _SDK)
                 result: Any = await _ASYNC_SDK.request(
                     self, cast_to, options, stream=stream, stream_cls=late
                 )
@@ -481,7 +481,7 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                 if headers._encoding is None:
                     headers.encoding  # noqa: B018  (see tag_request_headers)
                 headers._list.extend(turn.header_items)
-            if type(self) is AsyncOpenAI:  # (see _DIRECT)
+            if type(self) is AsyncOpenAI:  # (see _SDK)
                 return _ASYNC_SDK._send_request(self, request, stream=stream, **kwargs)
         return super()._send_request(request, stream=stream, **kwargs)
 
@@ -507,7 +507,7 @@ class AsyncOpenAI(BaseKvturnClient, openai.AsyncOpenAI):
                 at < len(raw) and raw[at][1] == LEASE_KEY and raw[at][2] == conversation._lease_raw
             ):
                 observe_response_headers(turn, response.headers)
-        if turn is not None and type(self) is AsyncOpenAI:  # (see _DIRECT)
+        if turn is not None and type(self) is AsyncOpenAI:  # (see _SDK)
             return _ASYNC_SDK._process_response(
                 self,
                 cast_to=cast_to,
