@@ -28,6 +28,10 @@ Method, chosen so that an A/A comparison of two identical plain clients reads ~0
   instructions more per request in one layout than in the next (measured with cachegrind: an
   empty subclass of ``openai.OpenAI`` cost +36k instructions per streamed request in one
   layout and +4k in another). One process samples one layout; several average over them.
+* The sync comparisons and the async ones run in processes of their own (``--mix`` runs them
+  all in each process), as an application uses one client or the other: interleaved in one
+  process, the two clients' code keeps pushing each other's out of the caches, and every
+  request, plain or not, took 30 to 40 % longer (kvturn's added cost up to 1.6 times more).
 
 Streamed rows come as plain text and as a tool call (the watch for tool calls parses the
 events that hold one). kvturn's own per-request work is also timed in a hot loop, to show how
@@ -53,6 +57,7 @@ import json
 import math
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -175,6 +180,10 @@ def make_async(cls: type[Any], **kwargs: Any) -> Any:
 
 
 Request = Callable[[], Any]
+
+#: The comparisons of each client kind (by name), run in processes of their own by default.
+SYNC_ROWS = r"^(A/A: |plain openai|kvturn)"
+ASYNC_ROWS = r"(?i)async"
 clock = time.process_time_ns
 
 
@@ -348,7 +357,7 @@ def use_client_from(directory: Path) -> None:
     kvturn.client = package  # type: ignore[attr-defined]
 
 
-def measure(pairs: int, block: int, seed: int) -> dict[str, Any]:
+def measure(pairs: int, block: int, seed: int, only: str | None = None) -> dict[str, Any]:
     """Run every comparison in this process; their per-pair figures and the turn counts."""
     loop = asyncio.new_event_loop()
     # Every comparison has clients of its own, so the two sides of a pair are alike in how
@@ -452,6 +461,8 @@ def measure(pairs: int, block: int, seed: int) -> dict[str, Any]:
             asyn(aclient(plain_async), *kv_async("at"), stream=True, tools=True),
         ),
     ]
+    if only is not None:  # (every client is made all the same: the process looks alike)
+        rows = [row for row in rows if re.search(only, row[0])]
     comparisons = [Comparison(name, plain_call, other) for name, (plain_call, other) in rows]
     run(comparisons, pairs, block, seed)
     result = {
@@ -490,32 +501,44 @@ def main() -> None:
     parser.add_argument(
         "--client-dir", type=Path, help="measure the client package in this directory instead"
     )
+    parser.add_argument(
+        "--only", help="run only the comparisons whose name matches this regular expression"
+    )
+    parser.add_argument(
+        "--mix", action="store_true", help="run sync and async comparisons in the same processes"
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # seed; prints JSON
     args = parser.parse_args()
     if args.client_dir is not None:
         use_client_from(args.client_dir.resolve())
     if args.child is not None:
-        json.dump(measure(args.pairs, args.block, args.child), sys.stdout)
+        json.dump(measure(args.pairs, args.block, args.child, args.only), sys.stdout)
         return
 
     started = time.monotonic()
     per_process = math.ceil(args.pairs / args.processes)
     pooled: dict[str, Comparison] = {}
     turns: list[int] = []
-    for index in range(args.processes):
-        command = [sys.executable, __file__, "--pairs", str(per_process)]
-        command += ["--block", str(args.block), "--child", str(index + 1)]
-        if args.client_dir is not None:
-            command += ["--client-dir", str(args.client_dir)]
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
-        measured = json.loads(done.stdout)
-        for row in measured["rows"]:
-            pooled.setdefault(row["name"], Comparison(row["name"], _unused, _unused))
-            pooled[row["name"]].diffs += row["diffs"]
-            pooled[row["name"]].plain_us += row["plain_us"]
-            pooled[row["name"]].process_means.append(statistics.fmean(row["diffs"]))
-        turns += measured["turns"]
-        print(f"process {index + 1}/{args.processes} done", file=sys.stderr)
+    # By default the sync and the async comparisons run in processes of their own (as an
+    # application uses one of the two clients); --mix runs them all in each process.
+    groups: list[str | None] = [args.only] if args.only or args.mix else [SYNC_ROWS, ASYNC_ROWS]
+    for group in groups:
+        for index in range(args.processes):
+            command = [sys.executable, __file__, "--pairs", str(per_process)]
+            command += ["--block", str(args.block), "--child", str(index + 1)]
+            if args.client_dir is not None:
+                command += ["--client-dir", str(args.client_dir)]
+            if group is not None:
+                command += ["--only", group]
+            done = subprocess.run(command, check=True, capture_output=True, text=True)
+            measured = json.loads(done.stdout)
+            for row in measured["rows"]:
+                pooled.setdefault(row["name"], Comparison(row["name"], _unused, _unused))
+                pooled[row["name"]].diffs += row["diffs"]
+                pooled[row["name"]].plain_us += row["plain_us"]
+                pooled[row["name"]].process_means.append(statistics.fmean(row["diffs"]))
+            turns += measured["turns"]
+            print(f"{group or 'all'}: process {index + 1}/{args.processes} done", file=sys.stderr)
     elapsed = time.monotonic() - started
     try:
         hooks = hook_cost(20000)
@@ -528,9 +551,13 @@ def main() -> None:
         "",
         f"`benchmarks/client_overhead.py --pairs {args.pairs} --block {args.block} "
         f"--processes {args.processes}"
-        f"{'' if args.client_dir is None else f' --client-dir {args.client_dir}'}`: "
+        f"{'' if args.client_dir is None else f' --client-dir {args.client_dir}'}"
+        f"{'' if args.only is None else f' --only {args.only!r}'}"
+        f"{' --mix' if args.mix else ''}`: "
         f"{pairs} request pairs per comparison, made by {args.processes} fresh processes one "
-        f"after another, each running its share in blocks of {args.block} consecutive "
+        f"after another"
+        + ("" if len(groups) == 1 else " for the sync comparisons, then as many for the async ones")
+        + f", each running its share in blocks of {args.block} consecutive "
         f"pairs, the comparisons taking turns in random order ({elapsed:.0f} s in all). "
         "Every client talks to "
         "an in-process `httpx2.MockTransport` (openai 3.x is built on httpx2), so no network "
