@@ -39,7 +39,7 @@ much of its in-request cost comes from running amid the SDK's work with cold cac
 go to ``benchmarks/results/client_overhead.md`` (the text after its "Reading it" heading is
 kept when the table is regenerated).
 
-    .venv/bin/python benchmarks/client_overhead.py [--pairs 4000] [--client-dir DIR]
+    .venv/bin/python benchmarks/client_overhead.py [--pairs 4000] [--client-dir DIR] [--mix]
 
 ``--client-dir`` measures another version of the client package with this same method, for
 before/after comparisons, e.g. ``git archive <commit> client | tar -x -C /tmp/old`` and then
