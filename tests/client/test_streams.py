@@ -57,6 +57,25 @@ def _client(chunks: list[bytes]) -> OpenAI:
     )
 
 
+def _async_client(chunks: list[bytes]) -> AsyncOpenAI:
+    """The async twin of :func:`_client`: each answer streams ``chunks``."""
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        async def body() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+
+        return httpx2.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    return AsyncOpenAI(
+        base_url="http://stub.invalid/v1",
+        api_key="x",
+        heartbeats=False,
+        release_on_exit=False,
+        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(answer)),
+    )
+
+
 def _rechunk(events: list[bytes], size: int) -> list[bytes]:
     data = b"".join(events)
     return [data[i : i + size] for i in range(0, len(data), size)]
@@ -112,22 +131,7 @@ def test_iterating_with_next_sees_tool_calls_too() -> None:
 async def test_async_streams_see_tool_calls_however_the_bytes_arrive(
     events: list[bytes], tools: bool, decoder: str
 ) -> None:
-    chunks = _rechunk(events, 7)
-
-    async def body() -> AsyncIterator[bytes]:
-        for chunk in chunks:
-            yield chunk
-
-    def answer(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, content=body(), headers={"content-type": "text/event-stream"})
-
-    client = AsyncOpenAI(
-        base_url="http://stub.invalid/v1",
-        api_key="x",
-        heartbeats=False,
-        release_on_exit=False,
-        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(answer)),
-    )
+    client = _async_client(_rechunk(events, 7))
     async with client.conversation() as conversation:
         stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
         async for _ in stream:
@@ -221,20 +225,7 @@ def test_a_finished_streams_response_closes_as_its_own_again() -> None:
 
 
 async def test_a_finished_async_streams_response_closes_as_its_own_again() -> None:
-    async def body() -> AsyncIterator[bytes]:
-        for chunk in AUTO + STOP:
-            yield chunk
-
-    def answer(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, content=body(), headers={"content-type": "text/event-stream"})
-
-    client = AsyncOpenAI(
-        base_url="http://stub.invalid/v1",
-        api_key="x",
-        heartbeats=False,
-        release_on_exit=False,
-        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(answer)),
-    )
+    client = _async_client(AUTO + STOP)
     async with client.conversation() as conversation:
         stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
         hook = stream.response.aclose
