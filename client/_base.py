@@ -1,9 +1,15 @@
-"""Everything the sync and async kvturn clients share that does no I/O.
+"""Everything the sync and async kvturn clients share.
 
 :class:`KvturnCore` is the state a client and its ``copy()``/``with_options()`` copies share:
 settings, clock, open conversations, the heartbeat schedule and its worker.
-:class:`BaseKvturnClient` turns requests into turns (headers, pause clock, stream swap) and
-interprets control-API answers; ``OpenAI``/``AsyncOpenAI`` add only the sending.
+
+A turn is followed at the HTTP client, through its public event hooks, so it sees exactly what
+goes on the wire whatever the SDK does above it (retries, streams, raw responses):
+:func:`attempt_started` (the request hook) starts the turn, or resumes it for a retry, and puts
+its headers on the request; :func:`attempt_answered` (the response hook) reads the gateway's
+answer headers and puts a watcher on the response's byte stream that ends the turn when the
+reply ends (``_bodies.py``). :class:`BaseKvturnClient` holds what the two client classes share;
+``OpenAI``/``AsyncOpenAI`` add only what differs by I/O.
 """
 
 from __future__ import annotations
@@ -12,45 +18,34 @@ import logging
 import threading
 import weakref
 from collections.abc import Mapping
-from operator import itemgetter
-from typing import Any, Protocol
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
-from openai._models import FinalRequestOptions
-from openai._types import NotGiven
-from openai._utils import is_given
+import openai
 from pydantic import ValidationError
 
 from kvturn.control import HeartbeatRequest, HeartbeatResponse
-from kvturn.headers import (
-    CONVERSATION_ID,
-    LEASE_SECONDS,
-    is_valid_conversation_id,
-)
+from kvturn.headers import CONVERSATION_ID, PAUSE_KIND, PAUSE_MS, TURN_ID, is_valid_conversation_id
 
-from ._clock import Clock
-from ._conversation import Conversation, Turn, _current, finish_turn, sending_turn
-from ._headers import (
-    PAUSE_KIND_ITEMS,
-    PAUSE_MS_KEY,
-    PAUSE_MS_LOWER,
-    TURN_HEADER_KEYS,
-    HeaderItem,
-    new_conversation_id,
-    refill_turn_ids,
-    turn_id_pool,
-)
+from ._bodies import AsyncWatchedStream, WatchedStream, body_asks_for_tools
+from ._clock import Clock, monotonic_clock
+from ._conversation import Conversation, Turn, _current, begin_turn, finish_turn, resume_turn
+from ._headers import new_conversation_id
 from ._heartbeats import HeartbeatSchedule, ScheduledBeat
-from ._settings import KvturnSettings
-from ._streams import SDK_DECODER_IS_PLAIN, WatchingDecoder, WatchingWrapper
+from ._settings import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAUSE_SECONDS, KvturnSettings
+
+if TYPE_CHECKING:
+    from openai import RequestOptions
 
 __all__ = [
     "REFUSAL_STATUSES",
     "BaseKvturnClient",
+    "ControlCall",
     "KvturnCore",
-    "names_turn_headers",
-    "observe_response_headers",
-    "sending_turn",
-    "tag_request_headers",
+    "attempt_answered",
+    "attempt_started",
+    "install_hooks",
 ]
 
 log = logging.getLogger("kvturn.client")
@@ -63,74 +58,10 @@ REFUSAL_STATUSES = frozenset({404, 405, 410, 501})
 #: up to this many; the oldest idle ones are forgotten beyond it.
 MAX_IDLE_CONVERSATIONS = 10_000
 
-LEASE_KEY = LEASE_SECONDS.lower().encode()
+_PAUSE_HEADERS = (PAUSE_MS, PAUSE_KIND)
 
-# Turns are made without a call to Turn.__init__ (see _kvturn_begin).
-_new_turn = object.__new__
-_TOOL_PAUSE_ITEM = PAUSE_KIND_ITEMS["tool"]
-_USER_PAUSE_ITEM = PAUSE_KIND_ITEMS["user"]
-
-_CONVERSATION_ID_LOWER = CONVERSATION_ID.lower()
-_lower_key = itemgetter(1)
-
-
-def tag_request_headers(headers: Any, items: tuple[HeaderItem, ...], replace: bool = True) -> None:
-    """Put a turn's headers (raw ``items``) on a request's ``headers``; with ``replace``, any
-    same-named ones go first (without, the caller knows there are none)."""
-    raw = getattr(headers, "_list", None)
-    if type(raw) is list:
-        # httpx/httpx2 keep (raw key, lower key, value) byte triples; each public
-        # __setitem__ rescans and re-encodes them all. Same result for a fraction of the cost:
-        # drop same-named entries, append ours as they are.
-        if replace and not TURN_HEADER_KEYS.isdisjoint(map(_lower_key, raw)):
-            raw[:] = [item for item in raw if item[1] not in TURN_HEADER_KEYS]
-        if headers._encoding is None:
-            # Worked out once, over every header, on first use (ASCII unless some value is
-            # not); ours are ASCII, so working it out before adding them gives the same answer
-            # without decoding them too.
-            headers.encoding  # noqa: B018
-        raw.extend(items)
-        return
-    for name, _, value in items:
-        headers[name.decode("ascii")] = value.decode("ascii")
-
-
-def names_turn_headers(headers: Any) -> bool:
-    """Whether a mapping of header names holds any of the turn headers (any case)."""
-    return any(
-        isinstance(name, str) and name.lower().encode("ascii", "replace") in TURN_HEADER_KEYS
-        for name in headers
-    )
-
-
-def observe_response_headers(turn: Turn, headers: Any) -> None:
-    """Keep an attempt's response headers on ``turn`` (its plan and reused tokens are read from
-    them on demand) and take the lease length the gateway states."""
-    raw = getattr(headers, "_list", None)
-    if type(raw) is not list:
-        raw = [(key, key.lower(), value) for key, value in headers.raw]
-    turn.answer = raw
-    conversation = turn.conversation
-    at = conversation._lease_at
-    if at < len(raw) and raw[at][1] == LEASE_KEY:
-        value = raw[at][2]
-    else:  # first answer, or the headers moved: search them
-        for at, (_, key, value) in enumerate(raw):  # noqa: B007
-            if key == LEASE_KEY:
-                conversation._lease_at = at
-                break
-        else:
-            return
-    if value == conversation._lease_raw:
-        return
-    try:
-        seconds = float(value)
-    except ValueError:
-        return
-    conversation._lease_raw = value
-    if seconds > 0:
-        conversation.lease_seconds = seconds
-        conversation._beat = None  # plan the next pause's beats for the new lease
+#: The header the openai SDK puts on every attempt of a request: how many retries came before.
+RETRY_COUNT = "x-stainless-retry-count"
 
 
 class Worker(Protocol):
@@ -141,6 +72,10 @@ class Worker(Protocol):
     wake_each_pause: bool
 
     def wake(self, deadline: float | None = None) -> None: ...
+
+
+#: Every live core, for requests that name an open conversation by header.
+_cores: weakref.WeakSet[KvturnCore] = weakref.WeakSet()
 
 
 class KvturnCore:
@@ -158,6 +93,7 @@ class KvturnCore:
         #: Whether pauses get heartbeats: heartbeats on, control API there, client open.
         self.beating = settings.heartbeats
         self._lock = threading.Lock()
+        _cores.add(self)
 
     # -- conversation scopes ------------------------------------------------------------
 
@@ -202,7 +138,7 @@ class KvturnCore:
                 self.conversations[conversation.id] = conversation
                 self._evict_idle()
                 return False
-        return self.forget(conversation.id) is not None and self._worth_releasing(conversation)
+        return self.forget(conversation.id) is not None and self.worth_releasing(conversation)
 
     def forget(self, conversation_id: str) -> Conversation | None:
         """Drop a conversation (released): no more beats, no more state."""
@@ -213,8 +149,9 @@ class KvturnCore:
                 conversation.released = True
             return conversation
 
-    def _worth_releasing(self, conversation: Conversation | None) -> bool:
-        # A conversation that never sent a turn holds nothing at the gateway.
+    def worth_releasing(self, conversation: Conversation | None) -> bool:
+        """Whether the gateway may hold something to release for it: a conversation that never
+        sent a turn holds nothing there, and a server without the control API holds nothing."""
         if not self.control_available:
             return False
         return conversation is None or conversation.turn_count > 0
@@ -236,17 +173,22 @@ class KvturnCore:
         since = conversation._paused_since()
         return None if since is None else (since, conversation.lease_seconds)
 
-    def heartbeat_body(self, entry: ScheduledBeat) -> tuple[Conversation, HeartbeatRequest] | None:
-        """What to send for a due beat, or ``None`` if the pause is over or beats are off."""
+    def heartbeat_plan(
+        self, entry: ScheduledBeat, client_class: type
+    ) -> tuple[Any, Conversation, HeartbeatRequest] | None:
+        """For a due beat: the client to send it through (of ``client_class``), the
+        conversation and the body; ``None`` if the pause is over, beats are off, or the client
+        that opened the conversation is gone."""
         conversation = self.conversations.get(entry.conversation_id)
         if conversation is None or conversation.released or not self.control_available:
             return None
         pause = conversation.current_pause()
-        if pause is None:
+        owner = conversation._owner() if conversation._owner is not None else None
+        if pause is None or not isinstance(owner, client_class):
             return None
-        return conversation, HeartbeatRequest(pause_kind=pause.kind, paused_ms=pause.ms)
+        return owner, conversation, HeartbeatRequest(pause_kind=pause.kind, paused_ms=pause.ms)
 
-    def heartbeat_answered(self, entry: ScheduledBeat, body: bytes) -> float | None:
+    def heartbeat_answered(self, entry: ScheduledBeat, body: str) -> float | None:
         """Interpret a 2xx heartbeat answer; returns the next interval or ``None`` to stop."""
         try:
             answer = HeartbeatResponse.model_validate_json(body)
@@ -292,14 +234,154 @@ class KvturnCore:
         self.schedule.clear()
 
 
+# -- the HTTP client's event hooks ---------------------------------------------------------
+
+#: The turn of the request this context sent last: its retries (and redirects) are attempts of
+#: the same turn. Set by the request hook, which runs in the caller's context.
+_attempt: ContextVar[Turn | None] = ContextVar("kvturn_attempt", default=None)
+
+
+def _conversation_of(request: Any) -> Conversation | None:
+    conversation = _current.get()
+    if conversation is not None:
+        return conversation
+    # Code that cannot carry a context (a thread pool without copy_context) can still name an
+    # open conversation with the header itself.
+    named = request.headers.get(CONVERSATION_ID)
+    if named is None:
+        return None
+    for core in list(_cores):
+        found = core.conversations.get(named)
+        if found is not None:
+            return found
+    return None
+
+
+def attempt_started(request: Any) -> None:
+    """Request hook: an attempt of a request made inside a conversation gets its turn's
+    headers; the first attempt starts the turn, a retry (the SDK counts them in a header of
+    its own) or a redirect (it carries the turn's id already) resumes it."""
+    conversation = _conversation_of(request)
+    if conversation is None:
+        return
+    headers = request.headers
+    turn = _attempt.get()
+    if (
+        turn is not None
+        and turn.conversation is conversation
+        and (headers.get(TURN_ID) == turn.turn_id or headers.get(RETRY_COUNT, "0") != "0")
+    ):
+        resume_turn(turn)
+    else:
+        turn = begin_turn(conversation)
+        _attempt.set(turn)
+    # Same-named headers set by the caller (or among the client's defaults) go: a first turn
+    # sends no pause headers, whatever a caller put there.
+    for name in _PAUSE_HEADERS:
+        if name in headers and name not in turn.headers:
+            del headers[name]
+    headers.update(turn.headers)
+
+
+def attempt_answered(response: Any, asynchronous: bool) -> None:
+    """Response hook: the answer to an attempt of a turn. Its headers (plan, reused tokens,
+    lease) are kept on the turn, and its body is watched: the turn ends when it does."""
+    turn = _attempt.get()
+    if turn is None or response.request.headers.get(TURN_ID) != turn.turn_id:
+        return
+    answer: Mapping[str, str] = response.headers
+    turn.answer = answer
+    turn.conversation.observe_lease(answer)
+    if response.is_closed:  # read already: a body given whole (a mock transport's, say)
+        finish_turn(turn, body_asks_for_tools(response.content, answer))
+        return
+    watcher = AsyncWatchedStream if asynchronous else WatchedStream
+    response.stream = watcher(response.stream, turn, answer)
+
+
+def _on_request(request: Any) -> None:
+    attempt_started(request)
+
+
+def _on_response(response: Any) -> None:
+    attempt_answered(response, False)
+
+
+async def _on_request_async(request: Any) -> None:
+    attempt_started(request)
+
+
+async def _on_response_async(response: Any) -> None:
+    attempt_answered(response, True)
+
+
+def install_hooks(http_client: Any, *, asynchronous: bool) -> None:
+    """Add kvturn's event hooks to an httpx/httpx2 client (once: copies and other kvturn
+    clients may share it). The response hook goes first, so the body is watched before any
+    hook of the caller's reads it; the request hook last, so its headers are the ones sent."""
+    on_request, on_response = (
+        (_on_request_async, _on_response_async) if asynchronous else (_on_request, _on_response)
+    )
+    hooks = http_client.event_hooks
+    if on_request in hooks.get("request", ()):
+        return
+    http_client.event_hooks = {
+        "request": [*hooks.get("request", ()), on_request],
+        "response": [on_response, *hooks.get("response", ())],
+    }
+
+
+# -- the clients ---------------------------------------------------------------------------
+
+#: The core a client being made by ``copy()`` shares with the client copied.
+_copying: ContextVar[KvturnCore | None] = ContextVar("kvturn_copying", default=None)
+
+
 class BaseKvturnClient:
-    """Turn bookkeeping shared by ``OpenAI`` and ``AsyncOpenAI`` (mixed in before them)."""
+    """What ``OpenAI`` and ``AsyncOpenAI`` share (mixed in before the SDK's classes)."""
 
     _kvturn: KvturnCore
-    #: Whether the client's own default headers (SDK or HTTP client level) name a turn header.
-    #: Set by ``__init__`` (no class-level default: reading one through an instance is not
-    #: specialised by CPython 3.11).
-    _kvturn_replace_headers: bool
+    #: Whether the client is the async one (its hooks and worker are).
+    _kvturn_asynchronous: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        *,
+        default_lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        max_pause_seconds: float = DEFAULT_MAX_PAUSE_SECONDS,
+        heartbeats: bool = True,
+        release_on_exit: bool = True,
+        control_timeout_seconds: float = 5.0,
+        kvturn_settings: KvturnSettings | None = None,
+        clock: Clock | None = None,
+        **kwargs: Any,
+    ) -> None:
+        http_client = kwargs.get("http_client")
+        if http_client is None:
+            # The HTTP client the SDK would make, with its defaults; made here to hook it.
+            http_client = kwargs["http_client"] = self._kvturn_default_http_client()
+        install_hooks(http_client, asynchronous=self._kvturn_asynchronous)
+        super().__init__(**kwargs)
+        core = _copying.get()
+        if core is None:
+            settings = kvturn_settings or KvturnSettings(
+                default_lease_seconds=default_lease_seconds,
+                max_pause_seconds=max_pause_seconds,
+                heartbeats=heartbeats,
+                release_on_exit=release_on_exit,
+                control_timeout_seconds=control_timeout_seconds,
+            )
+            core = KvturnCore(settings, clock or monotonic_clock)
+            core.worker = self._kvturn_worker(core)
+        self._kvturn = core
+
+    @classmethod
+    def _kvturn_default_http_client(cls) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def _kvturn_worker(cls, core: KvturnCore) -> Worker:
+        raise NotImplementedError
 
     @property
     def kvturn_settings(self) -> KvturnSettings:
@@ -311,91 +393,71 @@ class BaseKvturnClient:
         """Conversations open or kept (left without release), by id. Read-only view."""
         return self._kvturn.conversations
 
-    def _kvturn_named_conversation(self, options: FinalRequestOptions) -> Conversation | None:
-        # Code that cannot carry a context (a thread pool without copy_context) can still name
-        # an open conversation with the header itself.
-        if is_given(options.headers):
-            for key, value in options.headers.items():
-                if key.lower() == _CONVERSATION_ID_LOWER and isinstance(value, str):
-                    return self._kvturn.conversations.get(value)
-        return None
-
-    def _kvturn_begin(
-        self, options: FinalRequestOptions, conversation: Conversation | None = None
-    ) -> Turn | None:
-        """Start a turn for a request made inside a conversation (``None`` outside one).
-
-        Called once per logical request, before the SDK's retry loop; every attempt then gets
-        this turn's headers (see ``_send_request``), so all retries share the turn id. Kept to
-        few calls and few objects: it runs amid ~1 ms of SDK work, with cold caches, where
-        each step costs several times what it does in a hot loop.
-        """
-        if conversation is None:
-            conversation = _current.get()  # (the caller may have looked it up already)
-        if conversation is None:
-            conversation = self._kvturn_named_conversation(options)
-            if conversation is None:
-                return None
-        # The pause that ends here: consumed, so that a second request started before any reply
-        # ends is parallel to this one, not paused. (Its beats stop by themselves: a due beat
-        # finds a request in flight and drops its plan.)
-        now = conversation._clock()
-        lock = conversation._lock
-        lock.acquire()  # explicit acquire/release: a ``with`` costs more than what it guards
+    def copy(self, **kwargs: Any) -> Self:
+        """The SDK's ``copy()``; the copy shares the kvturn options, conversations and worker."""
+        token = _copying.set(self._kvturn)
         try:
-            ended_at = conversation._reply_ended_at
-            tool = conversation._tool_pending
-            conversation._reply_ended_at = None
-            conversation._tool_pending = False
-            conversation._in_flight += 1
-            conversation._turns_begun += 1
+            return super().copy(**kwargs)  # type: ignore[misc, no-any-return]
         finally:
-            lock.release()
-        try:
-            turn_id_item = turn_id_pool.pop()
-        except IndexError:
-            refill_turn_ids()
-            turn_id_item = turn_id_pool.pop()
-        turn = _new_turn(Turn)
-        if ended_at is None:
-            turn.header_items = (conversation._id_item, turn_id_item)
-        else:
-            ms = round((now - ended_at) * 1000)
-            if ms < 0:
-                ms = 0
-            turn.header_items = (
-                conversation._id_item,
-                turn_id_item,
-                (PAUSE_MS_KEY, PAUSE_MS_LOWER, b"%d" % ms),
-                _TOOL_PAUSE_ITEM if tool else _USER_PAUSE_ITEM,
-            )
-        turn.conversation = conversation
-        # Whether a header of ours may already be on the request (set by the caller, or among
-        # the client's default headers): only then is each attempt's request searched for it.
-        headers = options.headers
-        turn.replace_headers = self._kvturn_replace_headers or (
-            type(headers) is not NotGiven and names_turn_headers(headers)
-        )
-        turn.answer = None
-        turn.finished = False
-        turn.tool_calls = False
-        turn.tools_seen = False
-        turn._response = None
-        conversation._history.append(turn)
-        return turn
+            _copying.reset(token)
 
-    def _kvturn_finish(self, turn: Turn, tool_calls: bool) -> None:
-        """The reply of ``turn`` ended (returned, stream exhausted or closed, or failed)."""
-        finish_turn(turn, tool_calls)
+    with_options = copy
 
-    def _make_sse_decoder(self) -> Any:
-        # Called as the SDK builds a stream: one made while a turn is being sent decodes its
-        # events watching for tool calls (see _streams.py).
-        turn = sending_turn.get()
-        if turn is None:
-            return super()._make_sse_decoder()  # type: ignore[misc]
-        if SDK_DECODER_IS_PLAIN:  # what the SDK's would be, plus the watch
-            decoder = WatchingDecoder()
-            decoder._kvturn_turn = turn
-            return decoder
-        return WatchingWrapper(super()._make_sse_decoder(), turn)  # type: ignore[misc]
+    def _kvturn_forget_for_release(self, conversation_id: str) -> bool:
+        # An open conversation is ended here: True when the gateway should be told.
+        core = self._kvturn
+        return core.worth_releasing(core.forget(conversation_id))
+
+
+class ControlCall:
+    """One heartbeat or release call: sent outside any conversation (it is no turn), with no
+    SDK retries (the next beat is the retry) and a short timeout; its failure is logged and
+    remembered, never raised::
+
+        with ControlCall(core, "heartbeat", conversation_id) as call:
+            call.answer = client.post(path, cast_to=str, body=..., options=call.options)
+        return call.next_beat(entry)
+    """
+
+    def __init__(self, core: KvturnCore, what: str, conversation_id: str) -> None:
+        self._core = core
+        self._what = what
+        self._conversation_id = conversation_id
+        self.options: RequestOptions = {
+            "max_retries": 0,
+            "timeout": core.settings.control_timeout_seconds,
+        }
+        #: The answer's body (set by the caller).
+        self.answer: str | None = None
+        self.refused = False
+        self.failed = False
+        self._token: Token[Conversation | None] | None = None
+
+    def __enter__(self) -> Self:
+        self._token = _current.set(None)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if self._token is not None:
+            _current.reset(self._token)
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        self.failed = True
+        status = exc.status_code if isinstance(exc, openai.APIStatusError) else None
+        if status is None:
+            log.debug("kvturn: %s error: %r", self._what, exc)
+        self.refused = self._core.control_failed(self._what, self._conversation_id, status)
+        return True
+
+    def next_beat(self, entry: ScheduledBeat) -> float | None:
+        """After a heartbeat: when the next is due, or ``None`` to stop."""
+        if self.refused:
+            return None
+        if self.failed or self.answer is None:
+            return entry.interval
+        return self._core.heartbeat_answered(entry, self.answer)

@@ -6,7 +6,6 @@ import hashlib
 import os
 import random
 import uuid
-from typing import Final
 
 from kvturn.headers import (
     CONVERSATION_ID,
@@ -18,38 +17,7 @@ from kvturn.headers import (
 
 from ._pauses import Pause
 
-__all__ = [
-    "HeaderItem",
-    "conversation_id_from",
-    "header_item",
-    "new_conversation_id",
-    "new_turn_id",
-    "refill_turn_ids",
-    "turn_headers",
-    "turn_id_pool",
-]
-
-#: One header as httpx/httpx2 keep it: (name, lower-case name, value), all ASCII bytes.
-HeaderItem = tuple[bytes, bytes, bytes]
-
-
-def header_item(name: str, value: str) -> HeaderItem:
-    """``name: value`` in httpx's raw form."""
-    key = name.encode("ascii")
-    return (key, key.lower(), value.encode("ascii"))
-
-
-#: The lower-case names of every turn header, to find them among a request's headers.
-TURN_HEADER_KEYS: Final = frozenset(
-    name.lower().encode("ascii") for name in (CONVERSATION_ID, TURN_ID, PAUSE_MS, PAUSE_KIND)
-)
-PAUSE_MS_KEY: Final = PAUSE_MS.encode("ascii")
-PAUSE_MS_LOWER: Final = PAUSE_MS.lower().encode("ascii")
-#: The pause-kind header has two possible values: both items are made once.
-PAUSE_KIND_ITEMS: Final = {
-    "tool": header_item(PAUSE_KIND, "tool"),
-    "user": header_item(PAUSE_KIND, "user"),
-}
+__all__ = ["conversation_id_from", "new_conversation_id", "new_turn_id", "turn_headers"]
 
 
 def new_conversation_id() -> str:
@@ -62,36 +30,17 @@ def new_conversation_id() -> str:
 # processes never share a sequence.
 _turn_rng = random.Random(os.urandom(32))
 
-#: Turn ids made ahead, as their header items, popped one per turn. Making one (random bits,
-#: hex formatting, encoding) amid the SDK's work, with cold caches, costs several microseconds;
-#: a batch made at once costs a fraction of that per id. ``list.pop`` is atomic, so threads
-#: never get the same id; a thread finding the list empty makes a batch of its own.
-TURN_ID_BATCH = 64
-turn_id_pool: list[HeaderItem] = []
 
-
-def refill_turn_ids() -> None:
-    """Add a batch of fresh turn ids to :data:`turn_id_pool`."""
-    key, lower = TURN_ID.encode("ascii"), TURN_ID.lower().encode("ascii")
-    digits = _turn_rng.randbytes(16 * TURN_ID_BATCH).hex().encode("ascii")  # 32 per id
-    turn_id_pool.extend([(key, lower, digits[i : i + 32]) for i in range(0, len(digits), 32)])
-
-
-def _after_fork_in_child() -> None:
+def _reseed_after_fork() -> None:
     _turn_rng.seed(os.urandom(32))
-    turn_id_pool.clear()  # the parent may use these
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_reseed_after_fork)
 
 
 def new_turn_id() -> str:
     """A fresh random turn id: 32 hex digits, opaque to the gateway."""
-    try:
-        return turn_id_pool.pop()[2].decode("ascii")
-    except IndexError:
-        refill_turn_ids()
-        return turn_id_pool.pop()[2].decode("ascii")
+    return f"{_turn_rng.getrandbits(128):032x}"
 
 
 def conversation_id_from(value: str) -> str:

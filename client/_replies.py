@@ -1,20 +1,16 @@
 """Reading a reply for what the pause after it will be: does the model want tools run?
 
-Duck-typed over the shapes the openai SDK returns, so it needs no import of every model class:
-chat completions (``finish_reason == "tool_calls"`` or a message carrying ``tool_calls``; a
-forced named ``tool_choice`` answers ``stop`` with tool calls), their stream chunks, Responses
-API objects and their stream events.
+Read from the reply's JSON text as it goes by (see ``_bodies.py``), so it needs no SDK model
+class: a chat completion (``finish_reason == "tool_calls"`` or a message carrying
+``tool_calls``; a forced named ``tool_choice`` answers ``stop`` with tool calls), its stream
+chunks, a Responses API object and its stream events.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from openai._legacy_response import LegacyAPIResponse
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
-
-__all__ = ["TOOL_MARK", "asks_for_tools", "event_asks_for_tools", "result_asks_for_tools"]
+__all__ = ["TOOL_MARK", "event_asks_for_tools"]
 
 # Responses API output items the *client* must execute; hosted tools (web search, file search,
 # code interpreter) run server-side and leave no pause.
@@ -29,52 +25,6 @@ _CLIENT_TOOL_ITEMS = frozenset(
     }
 )
 _OUTPUT_ITEM_EVENTS = frozenset({"response.output_item.added", "response.output_item.done"})
-
-
-def asks_for_tools(reply: Any) -> bool:
-    """Whether ``reply`` (a completion, chunk, Responses object or stream event) calls tools."""
-    # Fast paths for the common shapes: a getattr() that misses on a pydantic model raises
-    # and catches an AttributeError, which costs more than the rest of the check (per chunk).
-    if type(reply) is ChatCompletionChunk:
-        for chunk_choice in reply.choices:
-            if chunk_choice.finish_reason == "tool_calls" or chunk_choice.delta.tool_calls:
-                return True
-        return False
-    if type(reply) is ChatCompletion:
-        for choice in reply.choices:
-            if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
-                return True
-        return False
-    choices = getattr(reply, "choices", None)
-    if choices:
-        for choice in choices:
-            if getattr(choice, "finish_reason", None) == "tool_calls":
-                return True
-            message = getattr(choice, "message", None) or getattr(choice, "delta", None)
-            if message is not None and getattr(message, "tool_calls", None):
-                return True
-        return False
-    kind = getattr(reply, "type", None)
-    if kind in _OUTPUT_ITEM_EVENTS:
-        return getattr(getattr(reply, "item", None), "type", None) in _CLIENT_TOOL_ITEMS
-    if kind == "response.completed":
-        reply = getattr(reply, "response", None)
-    output = getattr(reply, "output", None)
-    if isinstance(output, list):
-        return any(getattr(item, "type", None) in _CLIENT_TOOL_ITEMS for item in output)
-    return False
-
-
-def result_asks_for_tools(result: object) -> bool:
-    """Whether what ``request()`` returned (non-streamed, its body read) asks for tool calls."""
-    if isinstance(result, LegacyAPIResponse):
-        # with_raw_response (LangChain's path): the body is already read and parse() caches,
-        # so the caller's own parse() costs nothing extra.
-        try:
-            return asks_for_tools(result.parse())
-        except Exception:
-            return False
-    return asks_for_tools(result)
 
 
 #: In the JSON of any event that :func:`event_asks_for_tools` can answer yes for: "tool_calls"
@@ -94,11 +44,11 @@ _SURE_TOOL_CALLS = (
 
 
 def event_asks_for_tools(data: str) -> bool:
-    """:func:`asks_for_tools` for a streamed event's JSON text, before the SDK parses it.
+    """Whether a reply's JSON text (a whole body, or one streamed event) calls tools.
 
-    Called only for events whose text holds :data:`TOOL_MARK`: a chat chunk's tool call is
-    recognised as text, anything else (Responses API events, other spacing, a text that
-    merely mentions a tool call) costs a parse.
+    Called only for texts that hold :data:`TOOL_MARK`: a chat chunk's tool call is recognised
+    as text, anything else (Responses API events, other spacing, a text that merely mentions
+    a tool call) costs a parse.
     """
     sure = _SURE_TOOL_CALLS
     if sure[0] in data or sure[1] in data or sure[2] in data or sure[3] in data:

@@ -1,8 +1,9 @@
 """A stand-in for the kvturn gateway: an OpenAI-compatible chat server with the control API.
 
 It records what the client sends, answers chat completions (streamed and not, tool calls
-included), emulates the gateway's reuse headers (a known, unexpired conversation is served
-``decode-local`` with the previous turn's tokens reused), and implements the heartbeat and
+included), emulates the gateway's reuse headers with the plans the real gateway produces (a
+known, unexpired conversation is served ``pull-reuse`` with the previous turn's tokens reused,
+anything else ``recompute``), and implements the heartbeat and
 release endpoints of ``kvturn.control``. Request headers steer failure injection:
 
 ``X-Stub-Fail-First: 500|429``  fail the first attempt of a request (``x-stainless-retry-count: 0``)
@@ -166,7 +167,7 @@ class StubGateway:
             held = self.held.get(cid)
             now = time.monotonic()
             if held is not None and held[1] > now:
-                plan, reused = "decode-local", min(held[0], prompt_tokens)
+                plan, reused = "pull-reuse", min(held[0], prompt_tokens)
             else:
                 plan, reused = "recompute", 0
             self.held[cid] = (prompt_tokens + 8, now + self.lease_seconds)

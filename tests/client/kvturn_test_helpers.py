@@ -1,9 +1,29 @@
-"""Request shapes shared by the client tests."""
+"""Request shapes and the HTTP library shared by the client tests."""
 
 from __future__ import annotations
 
 import itertools
+from types import ModuleType
 from typing import Any
+
+import httpx
+import openai
+
+try:
+    import httpx2
+except ImportError:  # openai 1.x and 2.x are built on httpx alone
+    httpx2 = None
+
+
+def _sdk_http_library() -> ModuleType:
+    if httpx2 is not None and issubclass(openai.DefaultHttpxClient, httpx2.Client):
+        return httpx2
+    return httpx
+
+
+#: The HTTP library the installed openai SDK is built on (httpx2 from openai 3.x, httpx
+#: before): tests make their mock transports and HTTP clients with it.
+http: Any = _sdk_http_library()
 
 TOOLS: list[Any] = [
     {
@@ -36,7 +56,9 @@ def tool_result(reply: Any) -> list[Any]:
     ]
 
 
-REUSE_PLANS = ("decode-local", "pull-reuse")
+#: The plans that reuse a conversation's KV: what the real gateway produces today (and so the
+#: stand-in; ``test_stub_gateway.py`` checks that they agree).
+REUSE_PLANS = ("pull-reuse",)
 
 
 def assert_reuse_and_pause_kinds(turns: Any) -> None:

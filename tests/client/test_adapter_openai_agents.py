@@ -19,9 +19,9 @@ from agents import (
     set_tracing_disabled,
 )
 from kvturn_test_helpers import REUSE_PLANS, assert_reuse_and_pause_kinds
-from openai._models import FinalRequestOptions
 
 from kvturn.client import AsyncOpenAI, Conversation, current_conversation
+from kvturn.client._conversation import begin_turn, finish_turn
 from kvturn.client.adapters.openai_agents import (
     KvturnRunHooks,
     chat_completions_model,
@@ -133,10 +133,7 @@ async def test_tool_hooks_mark_a_tool_pause_and_forward(client: AsyncOpenAI) -> 
 
     hooks = KvturnRunHooks(Inner())
     async with client.conversation(release=False) as conversation:
-        options = FinalRequestOptions.construct(method="post", url="/responses")
-        turn = client._kvturn_begin(options)
-        assert turn is not None
-        client._kvturn_finish(turn, False)  # a reply that said nothing of tools
+        finish_turn(begin_turn(conversation), False)  # a reply that said nothing of tools
         await hooks.on_tool_start(None, None, None)  # type: ignore[arg-type]
         assert conversation.tools_running == 1
         await hooks.on_tool_end(None, None, None, "ok")  # type: ignore[arg-type]

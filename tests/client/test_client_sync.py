@@ -19,6 +19,7 @@ from kvturn_test_helpers import TOOLS, USER, tool_result
 
 from kvturn import headers as h
 from kvturn.client import OpenAI, Pause, current_conversation
+from kvturn.client._conversation import begin_turn, finish_turn
 
 CID = h.CONVERSATION_ID.lower()
 TID = h.TURN_ID.lower()
@@ -209,7 +210,7 @@ def test_gateway_answers_are_recorded_on_turns(stub: StubGateway) -> None:
         assert conversation.lease_seconds == 7.0
     first, second, _ = conversation.turns
     assert (first.plan, first.reused_tokens) == ("recompute", 0)
-    assert second.plan == "decode-local" and (second.reused_tokens or 0) > 0
+    assert second.plan == "pull-reuse" and (second.reused_tokens or 0) > 0
 
 
 def test_heartbeats_during_a_long_tool_pause_none_during_a_short_one(stub: StubGateway) -> None:
@@ -401,12 +402,7 @@ def test_heartbeat_failures_are_logged_not_raised(caplog: pytest.LogCaptureFixtu
     caplog.set_level(logging.WARNING, logger="kvturn.client")
     with client.conversation() as conversation:
         # Pretend a turn happened: begin/finish without the network.
-        from openai._models import FinalRequestOptions
-
-        options = FinalRequestOptions.construct(method="post", url="/chat/completions")
-        turn = client._kvturn_begin(options)
-        assert turn is not None
-        client._kvturn_finish(turn, tool_calls=True)
+        finish_turn(begin_turn(conversation), tool_calls=True)
         time.sleep(0.25)
     assert conversation.released
     assert any("heartbeat" in r.message for r in caplog.records)

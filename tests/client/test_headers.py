@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import httpx2
-from openai._models import FinalRequestOptions
+from kvturn_test_helpers import http
 
 from kvturn import headers as h
 from kvturn.client import OpenAI, Pause, conversation_id_from
-from kvturn.client._base import tag_request_headers
-from kvturn.client._headers import (
-    _after_fork_in_child,
-    header_item,
-    new_turn_id,
-    refill_turn_ids,
-    turn_headers,
-    turn_id_pool,
-)
+from kvturn.client._base import attempt_started
+from kvturn.client._conversation import begin_turn, finish_turn
+from kvturn.client._headers import _reseed_after_fork, _turn_rng, new_turn_id, turn_headers
 
 
 def test_turn_headers_carry_the_pause_only_when_there_was_one() -> None:
@@ -28,19 +21,15 @@ def test_turn_headers_carry_the_pause_only_when_there_was_one() -> None:
     }
 
 
-def test_the_client_sends_exactly_the_turn_headers() -> None:
-    # The client builds its turns' headers in raw form on its own path: the same headers.
+def test_turns_carry_exactly_the_turn_headers() -> None:
     now = [10.0]
     client = OpenAI(base_url="http://stub.invalid/v1", api_key="x", clock=lambda: now[0])
-    options = FinalRequestOptions.construct(method="post", url="/chat/completions")
     with client.conversation("c") as conversation:
-        first = client._kvturn_begin(options)
-        assert first is not None
-        client._kvturn_finish(first, tool_calls=True)
+        first = begin_turn(conversation)
+        finish_turn(first, tool_calls=True)
         now[0] += 0.007
-        second = client._kvturn_begin(options)
-        assert second is not None
-        client._kvturn_finish(second, tool_calls=False)
+        second = begin_turn(conversation)
+        finish_turn(second, tool_calls=False)
         conversation.released = True  # nothing to release at a gateway
     assert first.headers == turn_headers("c", first.turn_id, None)
     assert second.headers == turn_headers("c", second.turn_id, Pause(ms=7, kind="tool"))
@@ -62,32 +51,29 @@ def test_conversation_ids_from_framework_ids() -> None:
     assert conversation_id_from("x" * 200) != conversation_id_from("x" * 201)
 
 
-def test_tagging_replaces_same_named_headers_in_any_case() -> None:
-    values = turn_headers("new", "t1", Pause(ms=3, kind="user"))
-    items = tuple(header_item(name, value) for name, value in values.items())
-    fast = httpx2.Headers({"x-conversation-id": "old", "Accept": "json"})
-    tag_request_headers(fast, items)
-
-    class NoInternals(dict[str, str]):
-        pass  # no _list: the public item assignment path
-
-    slow = NoInternals({"X-Conversation-Id": "old", "Accept": "json"})
-    tag_request_headers(slow, items)
-    assert fast.get_list("X-Conversation-Id") == ["new"]
-    assert dict(fast) == {
+def test_the_request_hook_replaces_same_named_headers_in_any_case() -> None:
+    client = OpenAI(base_url="http://stub.invalid/v1", api_key="x", heartbeats=False)
+    request = http.Request(
+        "POST",
+        "http://stub.invalid/v1/chat/completions",
+        headers={"x-conversation-id": "old", "X-KVTURN-TURN-ID": "stale", "Accept": "json"},
+    )
+    with client.conversation("new", release=False) as conversation:
+        attempt_started(request)
+    (turn,) = conversation.turns
+    assert request.headers.get_list("X-Conversation-Id") == ["new"]
+    assert {k: v for k, v in request.headers.items() if k not in ("host", "content-length")} == {
         "accept": "json",
         "x-conversation-id": "new",
-        "x-kvturn-turn-id": "t1",
-        "x-kvturn-pause-ms": "3",
-        "x-kvturn-pause-kind": "user",
+        "x-kvturn-turn-id": turn.turn_id,
     }
-    assert slow["X-Conversation-Id"] == "new" and slow["X-Kvturn-Turn-Id"] == "t1"
+    client.close()
 
 
-def _capturing_client(**kwargs: object) -> tuple[OpenAI, list[httpx2.Request]]:
-    seen: list[httpx2.Request] = []
+def _capturing_client(**kwargs: object) -> tuple[OpenAI, list[http.Request]]:
+    seen: list[http.Request] = []
 
-    def answer(request: httpx2.Request) -> httpx2.Response:
+    def answer(request: http.Request) -> http.Response:
         if request.url.path.endswith("/chat/completions"):
             seen.append(request)
         completion = {
@@ -103,14 +89,14 @@ def _capturing_client(**kwargs: object) -> tuple[OpenAI, list[httpx2.Request]]:
                 }
             ],
         }
-        return httpx2.Response(200, json=completion)
+        return http.Response(200, json=completion)
 
     client = OpenAI(
         base_url="http://stub.invalid/v1",
         api_key="x",
         max_retries=0,
         heartbeats=False,
-        http_client=httpx2.Client(transport=httpx2.MockTransport(answer)),
+        http_client=http.Client(transport=http.MockTransport(answer)),
         **kwargs,  # type: ignore[arg-type]
     )
     return client, seen
@@ -141,9 +127,9 @@ def test_turn_headers_set_elsewhere_are_replaced_not_duplicated() -> None:
     plain.close()
 
 
-def test_turn_ids_are_drawn_from_fresh_batches_after_a_fork() -> None:
-    refill_turn_ids()
-    assert turn_id_pool
-    _after_fork_in_child()  # what a forked child runs: the parent's ids are not reused
-    assert turn_id_pool == []
-    assert len(new_turn_id()) == 32
+def test_a_forked_child_draws_other_turn_ids_than_its_parent() -> None:
+    state = _turn_rng.getstate()
+    parent_next = new_turn_id()
+    _turn_rng.setstate(state)
+    _reseed_after_fork()  # what a forked child runs
+    assert new_turn_id() != parent_next

@@ -1,93 +1,48 @@
-"""Recognising replies that ask for tools."""
+"""Recognising replies that ask for tools, from their JSON text."""
 
 from __future__ import annotations
 
 import json
 
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import Response
-
-from kvturn.client._replies import (
-    _CLIENT_TOOL_ITEMS,
-    TOOL_MARK,
-    asks_for_tools,
-    event_asks_for_tools,
-)
+from kvturn.client._replies import _CLIENT_TOOL_ITEMS, TOOL_MARK, event_asks_for_tools
 
 
-def _completion(finish: str, tool_calls: bool) -> ChatCompletion:
+def _completion(finish: str, tool_calls: bool, **dumps: object) -> str:
     message: dict[str, object] = {"role": "assistant", "content": None if tool_calls else "hi"}
     if tool_calls:
         message["tool_calls"] = [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         ]
-    return ChatCompletion.model_validate(
-        {
-            "id": "x",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "m",
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-        }
-    )
-
-
-def test_chat_completions() -> None:
-    assert asks_for_tools(_completion("tool_calls", True))
-    assert asks_for_tools(_completion("stop", True))  # forced named tool_choice answers stop
-    assert not asks_for_tools(_completion("stop", False))
-    assert not asks_for_tools(_completion("length", False))
-
-
-def test_chunks() -> None:
-    def chunk(delta: dict[str, object], finish: str | None) -> ChatCompletionChunk:
-        return ChatCompletionChunk.model_validate(
-            {
-                "id": "x",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": "m",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            }
-        )
-
-    assert asks_for_tools(chunk({}, "tool_calls"))
-    assert asks_for_tools(chunk({"tool_calls": [{"index": 0, "id": "c"}]}, None))
-    assert not asks_for_tools(chunk({"content": "hi"}, None))
-    assert not asks_for_tools(chunk({}, "stop"))
-
-
-def _response(items: list[dict[str, object]]) -> Response:
-    return Response.model_validate(
-        {
-            "id": "r",
-            "object": "response",
-            "created_at": 0,
-            "model": "m",
-            "output": items,
-            "parallel_tool_calls": True,
-            "tool_choice": "auto",
-            "tools": [],
-        }
-    )
-
-
-def test_responses_api() -> None:
-    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "id": "fc"}
-    text = {
-        "type": "message",
-        "id": "m",
-        "role": "assistant",
-        "status": "completed",
-        "content": [{"type": "output_text", "text": "hi", "annotations": []}],
+    body = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
     }
-    assert asks_for_tools(_response([text, call]))
-    assert not asks_for_tools(_response([text]))
+    return json.dumps(body, **dumps)  # type: ignore[arg-type]
 
 
-def test_unknown_objects_do_not_ask() -> None:
-    assert not asks_for_tools(object())
-    assert not asks_for_tools(None)
+def test_chat_completions_whole_bodies() -> None:
+    for dumps in ({}, {"indent": 2}, {"separators": (",", ":")}):
+        assert event_asks_for_tools(_completion("tool_calls", True, **dumps))
+        # A forced named tool_choice answers stop, with tool calls.
+        assert event_asks_for_tools(_completion("stop", True, **dumps))
+        assert not event_asks_for_tools(_completion("stop", False, **dumps))
+        assert not event_asks_for_tools(_completion("length", False, **dumps))
+
+
+def test_responses_api_whole_bodies() -> None:
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "id": "fc"}
+    text = {"type": "message", "id": "m", "role": "assistant", "content": []}
+    search = {"type": "web_search_call", "id": "ws", "status": "completed"}
+
+    def response(items: list[dict[str, object]]) -> str:
+        return json.dumps({"id": "r", "object": "response", "output": items})
+
+    assert event_asks_for_tools(response([text, call]))
+    assert not event_asks_for_tools(response([text]))
+    assert not event_asks_for_tools(response([text, search]))  # hosted: runs server-side
 
 
 def test_event_texts() -> None:
