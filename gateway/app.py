@@ -23,7 +23,6 @@ from kvturn.gateway.errors import (
     BodyTooLarge,
     GatewayError,
     InvalidRequest,
-    ModelNotFound,
     NoHealthyEngine,
     error_body,
 )
@@ -50,7 +49,6 @@ class Gateway:
             config, self.prefill, self.decode, self.upstream, self.store, self.metrics
         )
         self.models: list[dict[str, Any]] = []
-        self._model_names: frozenset[str] = frozenset()
         self._health: asyncio.Task[None] | None = None
 
     async def refresh_models(self) -> None:
@@ -61,11 +59,7 @@ class Gateway:
                 continue
             if response.status == 200:
                 self.models = list(response.json().get("data") or [])
-                self._model_names = frozenset(str(m.get("id")) for m in self.models)
                 return
-
-    def model_names(self) -> frozenset[str]:
-        return self._model_names
 
     async def start(self) -> None:
         """Open the engine client, learn the models, start health checks."""
@@ -87,8 +81,8 @@ class Gateway:
         await self.upstream.close()
 
 
-#: The turn endpoints and the request field each requires.
-TURN_PATHS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+#: The turn endpoints.
+TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 #: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
@@ -111,8 +105,8 @@ class GatewayApp:
         self.state = app.state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        field = TURN_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if field is None or scope["method"] != "POST":
+        turn = scope["type"] == "http" and scope.get("path", "") in TURN_PATHS
+        if not turn or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         try:
@@ -192,6 +186,27 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         answer = control.ReleaseResponse(conversation_id=conversation_id, released=released)
         return Response(answer.model_dump_json(), media_type="application/json")
 
+    async def engine_route(request: Request) -> Response:
+        """vLLM's own utility routes (``/version``, ``/tokenize``, ``/detokenize``), answered by
+        a prefill engine: the same model, tokenizer and chat template as every engine."""
+        body = await request.body()
+        for instance in gateway.prefill.healthy():
+            try:
+                answer = await gateway.upstream.forward(
+                    request.method,
+                    instance.url + request.url.path,
+                    body,
+                    request.headers.get("content-type"),
+                )
+            except UpstreamUnavailable:
+                continue
+            return Response(
+                answer.body,
+                status_code=answer.status,
+                media_type=answer.headers.get("content-type"),
+            )
+        return _error(NoHealthyEngine(f"no engine answered {request.url.path}"))
+
     conversations = "/v1" + control.CONVERSATIONS_PATH
     app = Starlette(
         routes=[
@@ -200,6 +215,9 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             Route("/v1/completions", _method_not_allowed, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/version", engine_route, methods=["GET"]),
+            Route("/tokenize", engine_route, methods=["POST"]),
+            Route("/detokenize", engine_route, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route(conversations + "/{conversation_id}/heartbeat", heartbeat, methods=["POST"]),
             Route(conversations + "/{conversation_id}", release, methods=["DELETE"]),
@@ -225,8 +243,9 @@ async def serve_turn(
         if wanted is not None:
             headers[wanted] = value.decode("latin-1")
     try:
+        # Everything else about the request is the engine's to judge: prefill refuses a bad
+        # request before any work, with vLLM's own error, which the client gets unchanged.
         body = _parse_body(raw_body)
-        _validate(body, TURN_PATHS[path], gateway)
         conversation_id = _conversation_id(headers.get(h.CONVERSATION_ID), body)
         _record_pause(gateway, headers)
         turn_id = headers.get(h.TURN_ID)
@@ -264,21 +283,6 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body
-
-
-def _validate(body: dict[str, Any], input_field: str, gateway: Gateway) -> None:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("you must provide a model parameter", param="model")
-    names = gateway.model_names()
-    if names and model not in names:
-        raise ModelNotFound(f"the model {model!r} does not exist", param="model")
-    if input_field not in body:
-        raise InvalidRequest(f"missing required parameter: {input_field!r}", param=input_field)
-    if input_field == "messages" and (
-        not isinstance(body["messages"], list) or not body["messages"]
-    ):
-        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
 
 
 def _conversation_id(header: str | None, body: dict[str, Any]) -> str | None:

@@ -28,12 +28,6 @@ class InvalidRequest(GatewayError):
     type = "invalid_request_error"
 
 
-class ModelNotFound(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-    code = "model_not_found"
-
-
 class BodyTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"

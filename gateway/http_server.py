@@ -294,7 +294,9 @@ class _Connection(asyncio.Protocol):
             if not chunked:
                 request.keep_alive = False
             head = self._head(request, reply.status, reply.headers)
-            head.append(b"content-type: text/event-stream\r\ncache-control: no-cache\r\n")
+            head.append(
+                b"content-type: text/event-stream; charset=utf-8\r\ncache-control: no-cache\r\n"
+            )
             head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
             end = b"0\r\n\r\n" if chunked else b""
             while True:

@@ -16,7 +16,7 @@ import orjson
 from kvturn.gateway.errors import GatewayError
 
 _JSON = b"application/json"
-_SSE = b"text/event-stream"
+_SSE = b"text/event-stream; charset=utf-8"  # as vLLM says it
 
 
 class ReplyStream(Protocol):

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from kvturn import headers as h
+from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.conversations import Conversation, ConversationStore
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
@@ -93,6 +94,19 @@ class TurnRunner:
         self._background: set[asyncio.Task[None]] = set()
 
     async def run(self, turn: Turn) -> Reply:
+        prompts = batched_prompts(turn.path, turn.body)
+        if prompts is not None:
+            # vLLM answers a batch with one kv_transfer_params (the first prompt's): each
+            # prompt needs a prefill/decode pair of its own. A batch is never a conversation.
+            subturns = [
+                Turn(turn.path, {**turn.body, "prompt": prompt}, None, turn.turn_id, turn.started)
+                for prompt in prompts
+            ]
+            return await serve_batch(
+                [self._serve(sub, None) for sub in subturns],
+                stream=turn.stream,
+                choices_per_prompt=int(turn.body.get("n") or 1),
+            )
         conversation = (
             self.store.get_or_create(turn.conversation_id) if turn.conversation_id else None
         )
@@ -102,6 +116,10 @@ class TurnRunner:
             # The previous turn's KV location is still being recorded: wait briefly for it.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(conversation.settling.wait(), self.config.publish_wait_s)
+        return await self._serve(turn, conversation)
+
+    async def _serve(self, turn: Turn, conversation: Conversation | None) -> Reply:
+        """Prefill then decode, once more from scratch if decode fails before replying."""
         prefilled = await self._prefill(turn, conversation)
         if isinstance(prefilled, Reply):
             return prefilled
@@ -266,9 +284,10 @@ class TurnRunner:
                 return _passthrough(response.status, response.body, response_headers)
             self._count(prefilled)
             payload = response.body
-            if b'"kv_transfer_params"' in payload:  # engine-internal: never shown to callers
+            if b'"kv_transfer_params"' in payload and b'"kv_transfer_params":null' not in payload:
+                # Engine-internal: shown to callers as one engine alone shows it (null).
                 data = response.json()
-                data.pop("kv_transfer_params", None)
+                data["kv_transfer_params"] = None
                 payload = orjson.dumps(data)
             self._settle_later(conversation, instance, request_id)
             return Reply(200, payload, response_headers)
@@ -433,6 +452,9 @@ def _mark_settling(conversation: Conversation | None) -> None:
 
 def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     prefill = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
+    if body.get("temperature") == 0 and "n" in body:
+        # Greedy sampling refuses n > 1: let prefill's own validation say so before any work.
+        prefill["n"] = body["n"]
     prefill["max_tokens"] = 1
     prefill["stream"] = False
     prefill["kv_transfer_params"] = dict(params)

@@ -50,6 +50,16 @@ class Upstream:
         except HttpError as error:
             raise UpstreamUnavailable(f"{url}: {error}") from error
 
+    async def forward(
+        self, method: str, url: str, body: bytes, content_type: str | None
+    ) -> Response:
+        """A request passed on as it came (the engine routes the gateway only relays)."""
+        headers = {"content-type": content_type} if content_type else None
+        try:
+            return await self.client.request(method, url, body or None, headers)
+        except HttpError as error:
+            raise UpstreamUnavailable(f"{url}: {error}") from error
+
     async def get(self, url: str, timeout_s: float | None = None) -> Response:
         try:
             return await self.client.request("GET", url, timeout_s=timeout_s)

@@ -30,7 +30,8 @@ TEST_KV_TTL_S = 120
 class LocalPair:
     """The running ``kvturn up`` process and what it reported."""
 
-    process: subprocess.Popen[bytes]
+    #: None when the pair was started outside the test session (``KVTURN_TEST_PAIR_STATE``).
+    process: subprocess.Popen[bytes] | None
     state: dict[str, object]
     log_path: Path
     stopped: bool = field(default=False)
@@ -61,15 +62,29 @@ class LocalPair:
         return [int(p) for p in self.state["pids"]]  # type: ignore[union-attr]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``stops_engines`` end the shared pair, so they run last."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``stops_engines`` end the shared pair, so they run last (and not at all
+    on a pair this session did not start)."""
     last = [i for i in items if i.get_closest_marker("stops_engines")]
     rest = [i for i in items if not i.get_closest_marker("stops_engines")]
+    if REUSE_PAIR_STATE and last:
+        config.hook.pytest_deselected(items=last)
+        last = []
     items[:] = rest + last
+
+
+#: A state file written by a ``kvturn up`` you started yourself: tests use that pair instead
+#: of starting one (for quick iteration; CI never sets it). Tests that stop the engines are
+#: deselected then.
+REUSE_PAIR_STATE = os.environ.get("KVTURN_TEST_PAIR_STATE")
 
 
 @pytest.fixture(scope="session")
 def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
+    if REUSE_PAIR_STATE:
+        state = json.loads(Path(REUSE_PAIR_STATE).read_text())
+        yield LocalPair(None, state, Path(REUSE_PAIR_STATE), stopped=True)
+        return
     work = tmp_path_factory.mktemp("engines")
     state_file = work / "state.json"
     log_path = work / "kvturn-up.log"
@@ -94,6 +109,7 @@ def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
         time.sleep(1)
     pair = LocalPair(process, json.loads(state_file.read_text()), log_path)
     yield pair
+    assert pair.process is not None
     if pair.process.poll() is None:
         pair.process.send_signal(signal.SIGINT)
         try:

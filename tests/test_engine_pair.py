@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 
 import httpx
 import pytest
@@ -29,7 +30,8 @@ def test_tiny_model_greedy_output_is_not_degenerate(local_pair: LocalPair) -> No
 
 
 def test_decode_after_transfer_equals_single_engine(local_pair: LocalPair) -> None:
-    messages = [{"role": "user", "content": long_prompt(1500, "lighthouses")}]
+    # A prompt of its own: nothing of it may sit in decode's prefix cache already.
+    messages = [{"role": "user", "content": long_prompt(1500, f"lighthouses {uuid.uuid4()}")}]
     decode_metrics = httpx.get(f"{local_pair.decode_url}/metrics").text
     transfers_before = metric_total(decode_metrics, "vllm:nixl_xfer_time_seconds_count")
     bytes_before = metric_total(decode_metrics, "vllm:nixl_bytes_transferred_sum")
@@ -96,6 +98,7 @@ def test_decode_publishes_retained_kv_for_the_gateway(local_pair: LocalPair) -> 
 def test_sigint_to_kvturn_up_stops_every_engine(local_pair: LocalPair) -> None:
     groups = {os.getpgid(pid) for pid in local_pair.engine_pids}
     assert _live_processes_in(groups), "the engines should be running before the signal"
+    assert local_pair.process is not None
     local_pair.process.send_signal(signal.SIGINT)
     assert local_pair.process.wait(timeout=90) == 0
     assert _live_processes_in(groups) == []

@@ -167,16 +167,15 @@ def test_tool_call_round_trip(local_pair: LocalPair) -> None:
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
+        # The gateway's own: it must read the body.
         (b"{not json", 400, None),
-        (b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
-        (
-            b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}',
-            404,
-            "model",
-        ),
-        (b'{"model": "tiny", "messages": []}', 400, "messages"),
+        (b"[]", 400, None),
+        # The engine's, passed on unchanged (tests/test_differential.py compares more).
+        (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404,
+         "model"),
+        (b'{"model": "tiny", "messages": []}', 400, None),
     ],
-)
+)  # fmt: skip
 def test_bad_requests_get_openai_errors(
     local_pair: LocalPair, body: bytes, status: int, param: str | None
 ) -> None:
@@ -184,7 +183,7 @@ def test_bad_requests_get_openai_errors(
     response = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == status
     error = response.json()["error"]
-    assert error["type"] == "invalid_request_error"
+    assert error["type"] in ("invalid_request_error", "BadRequestError", "NotFoundError")
     assert error["param"] == param
     assert error["message"]
 

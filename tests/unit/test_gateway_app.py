@@ -81,15 +81,8 @@ def test_heartbeat_and_release(gateway: str) -> None:
 
 @pytest.mark.parametrize(
     ("content", "status", "code"),
-    [
-        (b"[1, 2]", 400, None),
-        (
-            b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',
-            404,
-            "model_not_found",
-        ),
-        (b'{"model": "fake"}', 400, None),
-    ],
+    # What the gateway itself must read; the rest of a request is the engine's to judge.
+    [(b"[1, 2]", 400, None), (b"{not json", 400, None), (b'"text"', 400, None)],
 )
 def test_errors_are_openai_shaped(
     gateway: str, content: bytes, status: int, code: str | None
@@ -140,7 +133,7 @@ def test_a_stream_is_relayed_chunk_by_chunk(gateway: str) -> None:
             "fake_slow_stream": 5}  # fmt: skip
     arrivals = []
     with httpx.stream("POST", gateway + "/v1/chat/completions", json=body) as response:
-        assert response.headers["content-type"] == "text/event-stream"
+        assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
         assert response.headers["x-kvturn-plan"] == "recompute"
         for line in response.iter_lines():
             if line.startswith("data: "):

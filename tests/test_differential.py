@@ -1,0 +1,371 @@
+"""The gateway is transparent: the same request answered by the gateway (prefill + decode) and
+by one engine alone (a fresh ``cache_salt``, so nothing cached serves it) must agree field by
+field, streamed or not, error or not.
+
+Allowed differences, and why (the whole list):
+
+- ``id``, ``created``, tool-call ids: made per request by whoever answers;
+- ``usage.prompt_tokens_details.cached_tokens``: decode counts the KV it pulled as cached;
+- ``system_fingerprint``, ``metrics``: per-engine facts;
+- log-probabilities within ``LOGPROB_TOLERANCE``: float32 on two engines, one of them
+  computing from KV another computed, rounds differently in the last digits;
+- how a stream is cut into chunks: the engine merges tokens into one chunk when its reader
+  lags, so streams are compared by what they say once reassembled, and by the set of field
+  paths their chunks carry (a field dropped anywhere fails).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import LocalPair
+from tests.engine_requests import long_prompt
+
+pytestmark = pytest.mark.engines
+
+LOGPROB_TOLERANCE = 1e-4
+#: Fields that differ per answer by nature (see the module docstring).
+_VOLATILE = frozenset({"id", "created", "system_fingerprint", "metrics", "cached_tokens"})
+_CHAT = "/v1/chat/completions"
+_COMPLETIONS = "/v1/completions"
+
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_sensor",
+            "description": "Read a sensor by name.",
+            "parameters": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": ["temp", "humidity"]}},
+                "required": ["name"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "open_valve",
+            "description": "Open a valve.",
+            "parameters": {
+                "type": "object",
+                "properties": {"percent": {"type": "integer"}},
+                "required": ["percent"],
+            },
+        },
+    },
+]
+_TOOL_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "read_sensor", "arguments": '{"name": "temp"}'},
+}
+
+
+@dataclass
+class Case:
+    name: str
+    path: str
+    body: dict[str, Any]
+    method: str = "POST"
+    #: Sent with a fresh cache salt to the engine (the generating routes).
+    salted: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def _chat(name: str, stream: bool = False, **body: Any) -> Case:
+    body.setdefault("messages", _user("Write about the harbour at dawn."))
+    body.setdefault("max_tokens", 12)
+    body.setdefault("temperature", 0)
+    return Case(name, _CHAT, {"stream": stream, **body})
+
+
+def _completion(name: str, stream: bool = False, **body: Any) -> Case:
+    body.setdefault("prompt", "The lighthouse keeper said")
+    body.setdefault("max_tokens", 10)
+    body.setdefault("temperature", 0)
+    return Case(name, _COMPLETIONS, {"stream": stream, **body})
+
+
+_USAGE = {"stream_options": {"include_usage": True}}
+_SEEDED = {"temperature": 0.9, "seed": 1234}
+_PROMPTS_2 = ["The river delta", "A volcano erupts and"]
+_PROMPTS_3 = ["Kites fly", "In the glacier cave", "Deep under the sea the"]
+_NAMED = {"type": "function", "function": {"name": "read_sensor"}}
+
+CASES = [
+    # chat: plain forms
+    _chat("chat"),
+    _chat("chat-stream", stream=True),
+    _chat("chat-stream-usage", stream=True, **_USAGE),
+    _chat(
+        "chat-system-multi-turn",
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a bird."},
+            {"role": "assistant", "content": "A heron."},
+            {"role": "user", "content": "Another one, and say where it lives."},
+        ],
+    ),
+    _chat(
+        "chat-content-parts",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe the tide."},
+                    {"type": "text", "text": "Briefly."},
+                ],
+            }
+        ],
+    ),
+    _chat("chat-long-prompt", messages=_user(long_prompt(1200, "estuaries"))),
+    _chat("chat-long-prompt-stream", stream=True, messages=_user(long_prompt(900, "dunes"))),
+    # chat: sampling and stopping
+    _chat("chat-stop", stop=["e", "a"], max_tokens=30),
+    _chat("chat-stop-stream", stream=True, stop=["o"], max_tokens=30),
+    _chat("chat-stop-token-ids", stop_token_ids=[101, 102, 103], max_tokens=30),
+    _chat("chat-max-completion-tokens", max_completion_tokens=7),
+    _chat("chat-max-completion-tokens-stream", stream=True, max_completion_tokens=5, **_USAGE),
+    _chat("chat-min-tokens-ignore-eos", min_tokens=15, max_tokens=15, ignore_eos=True),
+    _chat("chat-penalties", presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.2),
+    _chat("chat-logit-bias", logit_bias={"65": 5, "66": -100}),
+    _chat("chat-seeded-sampling", **_SEEDED, top_p=0.9, top_k=40),
+    _chat("chat-n2-seeded", n=2, **_SEEDED),
+    _chat("chat-n2-seeded-stream", stream=True, n=2, **_SEEDED, **_USAGE),
+    _chat("chat-logprobs", logprobs=True, top_logprobs=3),
+    _chat("chat-logprobs-stream", stream=True, logprobs=True, top_logprobs=2),
+    _chat("chat-return-token-ids", return_token_ids=True),
+    # chat: structured output and tools
+    _chat("chat-json-object", response_format={"type": "json_object"}, max_tokens=20),
+    _chat(
+        "chat-json-schema",
+        max_tokens=30,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "reading",
+                "schema": {
+                    "type": "object",
+                    "properties": {"level": {"type": "integer"}},
+                    "required": ["level"],
+                },
+            },
+        },
+    ),
+    _chat("chat-tools-named", tools=_TOOLS, tool_choice=_NAMED, max_tokens=40),
+    _chat("chat-tools-named-stream", stream=True, tools=_TOOLS, tool_choice=_NAMED, max_tokens=40),
+    _chat("chat-tools-required", tools=_TOOLS, tool_choice="required", max_tokens=60),
+    _chat("chat-tools-auto", tools=_TOOLS, tool_choice="auto"),
+    _chat("chat-tools-auto-stream", stream=True, tools=_TOOLS, tool_choice="auto"),
+    _chat(
+        "chat-tools-no-parallel",
+        tools=_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+    ),
+    _chat(
+        "chat-tool-round-trip",
+        tools=_TOOLS,
+        messages=[
+            *_user("What is the temperature?"),
+            {"role": "assistant", "content": None, "tool_calls": [_TOOL_CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+        ],
+    ),
+    # chat: what the engine refuses
+    _chat("chat-error-n2-greedy", n=2),
+    _chat("chat-error-n2-greedy-stream", stream=True, n=2),
+    _chat("chat-error-context-too-long", messages=_user(long_prompt(21000, "walls"))),
+    _chat("chat-error-max-tokens", max_tokens=10**7),
+    _chat("chat-error-temperature", temperature=-1),
+    _chat(
+        "chat-error-unknown-tool",
+        tools=_TOOLS,
+        tool_choice={"type": "function", "function": {"name": "nope"}},
+    ),
+    _chat("chat-error-unknown-model", model="no-such-model"),
+    _chat("chat-error-empty-messages", messages=[]),
+    _chat("chat-error-no-messages", messages=None),
+    # completions
+    _completion("completion"),
+    _completion("completion-stream", stream=True),
+    _completion("completion-stream-usage", stream=True, **_USAGE),
+    _completion("completion-token-ids", prompt=[72, 101, 108, 108, 111, 32, 116, 104]),
+    _completion("completion-one-element-list", prompt=["The orchard in spring"]),
+    _completion("completion-echo", echo=True),
+    _completion("completion-logprobs", logprobs=2),
+    _completion("completion-logprobs-stream", stream=True, logprobs=2),
+    _completion("completion-stop", stop=["e"], max_tokens=30),
+    _completion("completion-seeded", **_SEEDED),
+    # completions: batches (one engine answers every prompt with its own KV)
+    _completion("completion-batch2", prompt=_PROMPTS_2),
+    _completion("completion-batch2-stream", stream=True, prompt=_PROMPTS_2),
+    _completion("completion-batch3", prompt=_PROMPTS_3, max_tokens=14),
+    _completion("completion-batch3-stream-usage", stream=True, prompt=_PROMPTS_3, **_USAGE),
+    _completion("completion-batch2-token-ids", prompt=[[72, 101, 108], [84, 104, 101, 32]]),
+    _completion("completion-batch2-n2-seeded", prompt=_PROMPTS_2, n=2, **_SEEDED),
+    _completion(
+        "completion-batch2-n2-seeded-stream",
+        stream=True,
+        prompt=_PROMPTS_2,
+        n=2,
+        **_SEEDED,
+        **_USAGE,
+    ),
+    _completion("completion-batch2-logprobs", prompt=_PROMPTS_2, logprobs=1),
+    _completion("completion-batch3-echo-stream", stream=True, prompt=_PROMPTS_3, echo=True),
+    _completion("completion-error-batch-too-long", prompt=["short", long_prompt(21000)]),
+    _completion("completion-error-n2-greedy", n=2),
+    _completion("completion-error-no-prompt", prompt=None),
+    # vLLM's utility routes
+    Case("models", "/v1/models", {}, method="GET", salted=False),
+    Case("version", "/version", {}, method="GET", salted=False),
+    Case("tokenize-prompt", "/tokenize", {"prompt": "Hello there"}, salted=False),
+    Case("tokenize-chat", "/tokenize", {"messages": _user("Hi")}, salted=False),
+    Case("detokenize", "/detokenize", {"tokens": [72, 101, 108, 108, 111]}, salted=False),
+    Case("tokenize-error", "/tokenize", {"nonsense": True}, salted=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_gateway_answers_as_one_engine_alone(local_pair: LocalPair, case: Case) -> None:
+    body = {k: v for k, v in case.body.items() if v is not None}
+    if case.path in (_CHAT, _COMPLETIONS):
+        body.setdefault("model", local_pair.model)
+    gateway_base = local_pair.gateway_url.removesuffix("/v1")
+    via_gateway = _send(gateway_base, case, body)
+    engine_body = {**body, "cache_salt": uuid.uuid4().hex} if case.salted else body
+    alone = _send(local_pair.prefill_url, case, engine_body)
+
+    assert via_gateway.status_code == alone.status_code, (via_gateway.text, alone.text)
+    assert _media_type(via_gateway) == _media_type(alone)
+    if _media_type(alone).startswith("text/event-stream"):
+        _assert_same_stream(via_gateway.text, alone.text)
+    elif _media_type(alone).startswith("application/json"):
+        _assert_same(orjson.loads(via_gateway.content), orjson.loads(alone.content), "$")
+    else:
+        assert via_gateway.content == alone.content
+
+
+def test_differential_suite_covers_enough_shapes() -> None:
+    generating = [c for c in CASES if c.path in (_CHAT, _COMPLETIONS)]
+    batches = [c for c in generating if isinstance(c.body.get("prompt"), list)
+               and len(c.body["prompt"]) > 1]  # fmt: skip
+    assert len(CASES) >= 40
+    assert {len(c.body["prompt"]) for c in batches} >= {2, 3}
+    assert {c.body["stream"] for c in batches} == {True, False}
+
+
+def _send(base: str, case: Case, body: dict[str, Any]) -> httpx.Response:
+    url = base + case.path
+    if case.method == "GET":
+        return httpx.get(url, timeout=300)
+    return httpx.post(url, content=orjson.dumps(body), timeout=300,
+                      headers={"Content-Type": "application/json"})  # fmt: skip
+
+
+def _media_type(response: httpx.Response) -> str:
+    return response.headers.get("content-type", "")
+
+
+def _assert_same(got: Any, want: Any, path: str) -> None:
+    """Equal, field by field, but for the allowed differences."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict), f"{path}: {got!r} is not an object"
+        assert got.keys() == want.keys(), f"{path}: fields {sorted(got)} != {sorted(want)}"
+        for key, value in want.items():
+            if key in _VOLATILE or (key == "id" and path.endswith("tool_calls[]")):
+                continue
+            _assert_same(got[key], value, f"{path}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{path}: {got!r} != {want!r}"
+        for a, b in zip(got, want, strict=True):
+            _assert_same(a, b, f"{path}[]")
+    elif isinstance(want, float) and isinstance(got, float) and "logprob" in path:
+        assert math.isclose(got, want, abs_tol=LOGPROB_TOLERANCE), f"{path}: {got} != {want}"
+    elif isinstance(want, str) and path.endswith("error.message"):
+        # Engines name the request in some messages (its id): compare the rest.
+        assert _without_ids(got) == _without_ids(want), f"{path}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def _without_ids(message: str) -> str:
+    return " ".join(w for w in message.split() if not any(c.isdigit() for c in w[-8:]))
+
+
+def _events(text: str) -> list[Any]:
+    events = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith("data: "), f"not a data event: {block[:80]!r}"
+        payload = block.removeprefix("data: ")
+        events.append(payload if payload == "[DONE]" else orjson.loads(payload))
+    return events
+
+
+def _assert_same_stream(got_text: str, want_text: str) -> None:
+    got, want = _events(got_text), _events(want_text)
+    assert (got[-1] == "[DONE]") == (want[-1] == "[DONE]")
+    assert got.count("[DONE]") == want.count("[DONE]") <= 1
+    got_data = [e for e in got if e != "[DONE]"]
+    want_data = [e for e in want if e != "[DONE]"]
+    assert _paths(got_data) == _paths(want_data), "the chunks carry different fields"
+    _assert_same(_reassembled(got_data), _reassembled(want_data), "stream")
+
+
+def _paths(events: list[Any], prefix: str = "") -> set[str]:
+    """Every field path the events carry (list positions folded)."""
+    paths: set[str] = set()
+    for event in events:
+        if isinstance(event, dict):
+            for key, value in event.items():
+                paths.add(f"{prefix}.{key}")
+                paths |= _paths([value], f"{prefix}.{key}")
+        elif isinstance(event, list):
+            paths |= _paths(event, prefix + "[]")
+    return paths
+
+
+def _reassembled(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a stream says once its chunks are put together, per choice index."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage = [e["usage"] for e in events if not e.get("choices") and e.get("usage")]
+    errors = [e["error"] for e in events if "error" in e]
+    for event in events:
+        for choice in event.get("choices") or []:
+            into = choices.setdefault(choice["index"], {"text": "", "logprobs": [], "tools": {}})
+            delta = choice.get("delta") or {}
+            into["text"] += choice.get("text") or delta.get("content") or ""
+            if delta.get("role"):
+                into["role"] = delta["role"]
+            for name in ("finish_reason", "stop_reason", "token_ids", "prompt_token_ids"):
+                if choice.get(name) is not None:
+                    into.setdefault(name, [])
+                    into[name].append(choice[name])
+            logprobs = choice.get("logprobs") or {}
+            into["logprobs"] += logprobs.get("content") or []
+            tokens = zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [],
+                         strict=True)  # fmt: skip
+            into["logprobs"] += [[token, logprob] for token, logprob in tokens]
+            for call in delta.get("tool_calls") or []:
+                tool = into["tools"].setdefault(call["index"], {"name": "", "arguments": ""})
+                function = call.get("function") or {}
+                tool["name"] += function.get("name") or ""
+                tool["arguments"] += function.get("arguments") or ""
+    return {"choices": choices, "usage": usage, "errors": errors}

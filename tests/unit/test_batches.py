@@ -1,0 +1,117 @@
+"""Completion batches split per prompt and merged back (no engines: the merge alone)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from kvturn.gateway.batches import BatchStream, batched_prompts, merge_bodies, serve_batch
+from kvturn.gateway.replies import Reply
+
+
+def test_only_lists_of_several_prompts_are_batches() -> None:
+    path = "/v1/completions"
+    assert batched_prompts(path, {"prompt": ["a", "b"]}) == ["a", "b"]
+    assert batched_prompts(path, {"prompt": [[1, 2], [3]]}) == [[1, 2], [3]]
+    assert batched_prompts(path, {"prompt": ["a"]}) is None
+    assert batched_prompts(path, {"prompt": [1, 2, 3]}) is None  # one prompt of token ids
+    assert batched_prompts(path, {"prompt": "a"}) is None
+    assert batched_prompts(path, {}) is None
+    assert batched_prompts("/v1/chat/completions", {"prompt": ["a", "b"]}) is None
+
+
+def _body(text: str, prompt_tokens: int, n: int = 1) -> dict[str, object]:
+    return {
+        "id": f"cmpl-{text}", "object": "text_completion", "created": 7, "model": "m",
+        "choices": [{"index": i, "text": f"{text}{i}"} for i in range(n)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
+                  "total_tokens": prompt_tokens + 3, "prompt_tokens_details": {"cached_tokens": 1}},
+    }  # fmt: skip
+
+
+def test_bodies_merge_as_one_engine_numbers_a_batch() -> None:
+    merged = merge_bodies([_body("a", 5, n=2), _body("b", 7, n=2)], choices_per_prompt=2)
+    assert merged["id"] == "cmpl-a"
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [
+        (0, "a0"), (1, "a1"), (2, "b0"), (3, "b1"),
+    ]  # fmt: skip
+    assert merged["usage"] == {
+        "prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }  # fmt: skip
+
+
+class _Chunks:
+    """A ReplyStream that hands out fixed byte chunks."""
+
+    def __init__(self, *chunks: bytes):
+        self.chunks = list(chunks)
+        self.closed = False
+
+    @property
+    def at_end(self) -> bool:
+        return not self.chunks
+
+    async def next_chunk(self) -> bytes | None:
+        return self.chunks.pop(0) if self.chunks else None
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _event(data: dict[str, object]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def _chunk(rid: str, index: int, text: str) -> bytes:
+    return _event({"id": rid, "created": 1, "choices": [{"index": index, "text": text}]})
+
+
+def _usage(rid: str, prompt_tokens: int) -> bytes:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 2, "total_tokens": 2}
+    return _event({"id": rid, "created": 1, "choices": [], "usage": usage})
+
+
+async def test_streams_are_relabelled_renumbered_and_end_once() -> None:
+    first = _chunk("a", 0, "x") + _chunk("a", 1, "y") + _usage("a", 4) + b"data: [DONE]\n\n"
+    second = _chunk("b", 0, "z") + _chunk("b", 1, "w") + _usage("b", 6) + b"data: [DONE]\n\n"
+    # Events cut across chunk boundaries, as they arrive off a socket.
+    streams = [_Chunks(first[:30], first[30:]), _Chunks(second[:5], second[5:77], second[77:])]
+    merged = BatchStream(list(streams), choices_per_prompt=2)
+    out = b""
+    while (chunk := await merged.next_chunk()) is not None:
+        out += chunk
+        if merged.at_end:
+            break
+    await merged.aclose()
+    assert all(s.closed for s in streams)
+    events = [e.removeprefix(b"data: ") for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
+    data = [orjson.loads(e) for e in events[:-1]]
+    assert {d["id"] for d in data} == {"a"}
+    assert [(c["index"], c["text"]) for d in data for c in d["choices"]] == [
+        (0, "x"), (1, "y"), (2, "z"), (3, "w"),
+    ]  # fmt: skip
+    assert data[-1]["choices"] == []
+    assert data[-1]["usage"]["prompt_tokens"] == 10
+    assert data[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_one_failed_prompt_fails_the_batch_and_closes_the_others() -> None:
+    opened = _Chunks(_chunk("a", 0, "x"))
+
+    async def ok() -> Reply:
+        return Reply(200, stream=opened)
+
+    async def refused() -> Reply:
+        return Reply(400, b'{"error": {"message": "too long"}}')
+
+    reply = await serve_batch([ok(), refused()], stream=True, choices_per_prompt=1)
+    assert reply.status == 400 and b"too long" in reply.body
+    assert opened.closed
+
+    async def broken() -> Reply:
+        raise RuntimeError("no engine")
+
+    with pytest.raises(RuntimeError):
+        await serve_batch([ok(), broken()], stream=False, choices_per_prompt=1)
