@@ -104,7 +104,7 @@ class Conversation:
         # threads, and replies end on whichever thread closes them). Nothing the garbage
         # collector tracks is made while it is held: a collection could run the finalizer of
         # an abandoned reply, which ends its turn and takes this lock.
-        self._lock = threading.Lock()
+        self._pause_lock = threading.Lock()
         self._clock = clock
         self._in_flight = 0
         # None until the first reply ends, and again once a request has consumed the pause.
@@ -164,7 +164,7 @@ class Conversation:
         """The pause in progress, or ``None`` while a request is in flight (or before the
         first reply)."""
         now = self._clock()
-        with self._lock:
+        with self._pause_lock:
             if self._in_flight or self._reply_ended_at is None:
                 return None
             ended_at, tool = self._reply_ended_at, self._tool_pending
@@ -172,7 +172,7 @@ class Conversation:
 
     def _paused_since(self) -> float | None:
         """When the pause in progress began (``None`` while a request is in flight)."""
-        with self._lock:
+        with self._pause_lock:
             return None if self._in_flight else self._reply_ended_at
 
     def observe_lease(self, answer: Mapping[str, str]) -> None:
@@ -195,13 +195,13 @@ class Conversation:
         Adapters call this from framework hooks; the reply's finish reason alone misses tool
         calls on APIs that report them another way.
         """
-        with self._lock:
+        with self._pause_lock:
             self._tools_running += 1
             self._tool_pending = True
 
     def tool_finished(self) -> None:
         """Report that a tool finished (the pause goes on until the next request)."""
-        with self._lock:
+        with self._pause_lock:
             self._tools_running = max(0, self._tools_running - 1)
 
 
@@ -214,7 +214,7 @@ def begin_turn(conversation: Conversation) -> Turn:
     request started before any reply ends is parallel to this one, not paused. (The pause's
     beats stop by themselves: a due beat finds a request in flight and drops its plan.)"""
     now = conversation._clock()
-    with conversation._lock:
+    with conversation._pause_lock:
         ended_at, tool = conversation._reply_ended_at, conversation._tool_pending
         conversation._reply_ended_at = None
         conversation._tool_pending = False
@@ -230,7 +230,7 @@ def resume_turn(turn: Turn) -> None:
     client follows a redirect): it is in flight again, and the time between attempts is no
     pause."""
     conversation = turn.conversation
-    with conversation._lock:
+    with conversation._pause_lock:
         if not turn.finished:
             return
         turn.finished = False
@@ -243,7 +243,7 @@ def finish_turn(turn: Turn, tool_calls: bool) -> None:
     the conversation is paused from now if nothing else of it is in flight."""
     conversation = turn.conversation
     paused_at = conversation._clock()
-    with conversation._lock:
+    with conversation._pause_lock:
         if turn.finished:  # (ended meanwhile on another thread, or a second close)
             return
         turn.finished = True
