@@ -1,7 +1,7 @@
 # The two commands a newcomer needs are `make demo` and `make test`; both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint typecheck unit bench
+.PHONY: setup demo test lint typecheck unit bench client-compat
 
 setup:
 	@scripts/setup.sh
@@ -16,7 +16,12 @@ lint: setup
 typecheck: setup
 	$(PY) -m mypy kvturn client gateway connector
 
-test: lint typecheck
+# kvturn.client against the oldest and the newest openai release pyproject.toml admits, each in
+# a small venv of its own (.venv-compat-*: no vLLM, no adapters); made once, then reused.
+client-compat:
+	@scripts/client_compat.sh
+
+test: lint typecheck client-compat
 	$(PY) -m pytest -q
 
 bench: setup

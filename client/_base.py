@@ -58,10 +58,11 @@ REFUSAL_STATUSES = frozenset({404, 405, 410, 501})
 #: up to this many; the oldest idle ones are forgotten beyond it.
 MAX_IDLE_CONVERSATIONS = 10_000
 
-_PAUSE_HEADERS = (PAUSE_MS, PAUSE_KIND)
-
 #: The header the openai SDK puts on every attempt of a request: how many retries came before.
 RETRY_COUNT = "x-stainless-retry-count"
+_RETRY_COUNT_KEY = RETRY_COUNT.lower()
+_TURN_ID_KEY = TURN_ID.lower()
+_PAUSE_HEADERS = tuple((name, name.lower()) for name in (PAUSE_MS, PAUSE_KIND))
 
 
 class Worker(Protocol):
@@ -265,22 +266,28 @@ def attempt_started(request: Any) -> None:
     if conversation is None:
         return
     headers = request.headers
+    names = headers.keys()  # lower-case, in one pass over the headers
     turn = _attempt.get()
     if (
         turn is not None
         and turn.conversation is conversation
-        and (headers.get(TURN_ID) == turn.turn_id or headers.get(RETRY_COUNT, "0") != "0")
+        and (
+            (_RETRY_COUNT_KEY in names and headers[RETRY_COUNT] != "0")
+            or (_TURN_ID_KEY in names and headers[TURN_ID] == turn.turn_id)
+        )
     ):
         resume_turn(turn)
     else:
         turn = begin_turn(conversation)
         _attempt.set(turn)
-    # Same-named headers set by the caller (or among the client's defaults) go: a first turn
-    # sends no pause headers, whatever a caller put there.
-    for name in _PAUSE_HEADERS:
-        if name in headers and name not in turn.headers:
+    ours = turn.headers
+    # Same-named headers set by the caller (or among the client's defaults) are replaced, and
+    # a turn without a pause sends no pause headers, whatever a caller put there.
+    for name, key in _PAUSE_HEADERS:
+        if key in names and name not in ours:
             del headers[name]
-    headers.update(turn.headers)
+    for name, value in ours.items():
+        headers[name] = value
 
 
 def attempt_answered(response: Any, asynchronous: bool) -> None:

@@ -8,12 +8,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx2
 import openai
 import pytest
 import pytest_asyncio
 from kvturn_stub_gateway import StubGateway
-from kvturn_test_helpers import TOOLS, USER, tool_result
+from kvturn_test_helpers import TOOLS, USER, http, tool_result
 
 from kvturn import headers as h
 from kvturn.client import AsyncOpenAI, current_conversation
@@ -203,8 +202,8 @@ def test_heartbeats_follow_the_client_to_a_new_event_loop(stub: StubGateway) -> 
     async def step(pause_s: float) -> None:
         # A connection pool cannot outlive its loop either: each step gets its own HTTP client
         # (a copy shares the kvturn state: conversations, schedule, worker).
-        async with httpx2.AsyncClient() as http:
-            step_client = client.with_options(http_client=http)
+        async with http.AsyncClient() as step_http:
+            step_client = client.with_options(http_client=step_http)
             async with step_client.conversation("loops"):
                 await ask(step_client)
                 await ask(step_client)
@@ -214,12 +213,12 @@ def test_heartbeats_follow_the_client_to_a_new_event_loop(stub: StubGateway) -> 
     before = len(stub.heartbeats)
     asyncio.run(step(0.7))
     assert len(stub.heartbeats) - before >= 2
-    asyncio.run(client.with_options(http_client=httpx2.AsyncClient()).release_conversation("loops"))
+    asyncio.run(client.with_options(http_client=http.AsyncClient()).release_conversation("loops"))
     assert stub.releases == ["loops"]
 
 
 class _Counting(openai.AsyncOpenAI):
-    """Another subclass of the SDK's client, overriding what kvturn overrides."""
+    """Another subclass of the SDK's client, with an override of its own."""
 
     calls: list[str] = []
 
@@ -227,17 +226,9 @@ class _Counting(openai.AsyncOpenAI):
         self.calls.append("request")
         return await super().request(*args, **kwargs)
 
-    def _send_request(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append("send")
-        return super()._send_request(*args, **kwargs)
-
-    def _process_response(self, **kwargs: Any) -> Any:
-        self.calls.append("process")
-        return super()._process_response(**kwargs)
-
 
 class _Mixed(AsyncOpenAI, _Counting):
-    """The SDK subclass comes after kvturn's in the MRO: kvturn's hooks must reach it."""
+    """Another SDK subclass after kvturn's in the MRO: its override and kvturn both work."""
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -252,7 +243,7 @@ async def test_a_subclass_with_another_sdk_subclass_in_between_keeps_both(
             if stream:
                 async for _ in reply:  # type: ignore[attr-defined]
                     pass
-        assert _Counting.calls == ["request", "send", "process"]
+        assert _Counting.calls == ["request"]
         assert stub.chat_requests()[0].headers[CID] == "mixed"
         assert conversation.turn_count == 1 and conversation.in_flight == 0
     finally:

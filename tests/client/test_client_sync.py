@@ -315,7 +315,7 @@ def test_with_options_and_copy_keep_kvturn(stub: StubGateway) -> None:
 
 
 class _Counting(openai.OpenAI):
-    """Another subclass of the SDK's client, overriding what kvturn overrides."""
+    """Another subclass of the SDK's client, with an override of its own."""
 
     calls: list[str] = []
 
@@ -323,13 +323,9 @@ class _Counting(openai.OpenAI):
         self.calls.append("request")
         return super().request(*args, **kwargs)
 
-    def _send_request(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append("send")
-        return super()._send_request(*args, **kwargs)
-
 
 class _Mixed(OpenAI, _Counting):
-    """The SDK subclass comes after kvturn's in the MRO: kvturn's hooks must reach it."""
+    """Another SDK subclass after kvturn's in the MRO: its override and kvturn both work."""
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -343,7 +339,7 @@ def test_a_subclass_with_another_sdk_subclass_in_between_keeps_both(
         reply = ask(client, stream=stream)
         if stream:
             list(reply)  # type: ignore[call-overload]
-    assert _Counting.calls == ["request", "send"]
+    assert _Counting.calls == ["request"]
     assert stub.chat_requests()[0].headers[CID] == "mixed"
     assert conversation.turn_count == 1 and conversation.in_flight == 0
 
