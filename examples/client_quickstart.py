@@ -5,9 +5,9 @@
 Everything inside ``client.conversation()`` carries the conversation id, a turn id and the
 pause before each turn; while the (deliberately slow) tool runs, the client renews the
 conversation's lease through the gateway, and leaving the scope releases it. Each turn prints
-what the gateway did with it: ``recompute`` on the first, reuse (``decode-local`` or
-``pull-reuse``) after. The first request of each question names the tool in ``tool_choice``,
-so even a random-weight model calls it; the answer turn uses ``tool_choice="none"``.
+what the gateway did with it: ``recompute`` on the first, reuse (``pull-reuse``) after. The
+first request of each question names the tool in ``tool_choice``, so even a random-weight
+model calls it; the answer turn uses ``tool_choice="none"``.
 """
 
 from __future__ import annotations
