@@ -15,14 +15,20 @@ from collections.abc import Callable
 from typing import Any
 
 # vLLM appends "-<8 hex>" to every request id, and prefixes chat ids with "chatcmpl-" and
-# completion ids with "cmpl-". The gateway knows only the X-Request-Id it sent.
+# completion ids with "cmpl-"; a completion's id also carries its prompt's position ("-0").
+# The gateway knows only the X-Request-Id it sent.
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
-_API_PREFIX = re.compile(r"^(chatcmpl|cmpl)-")
+_CHAT_PREFIX = "chatcmpl-"
+_COMPLETION = re.compile(r"^cmpl-(.*)-\d+$")
 
 
 def publication_key(engine_request_id: str) -> str:
     """The X-Request-Id part of an engine request id."""
-    return _API_PREFIX.sub("", _RANDOM_SUFFIX.sub("", engine_request_id))
+    request_id = _RANDOM_SUFFIX.sub("", engine_request_id)
+    completion = _COMPLETION.match(request_id)
+    if completion is not None:
+        return completion.group(1)
+    return request_id.removeprefix(_CHAT_PREFIX)
 
 
 class RetainedStore:
@@ -44,12 +50,12 @@ class RetainedStore:
                 self._entries.popitem(last=False)
             self._lock.notify_all()
 
-    def get(self, request_id: str, wait_s: float = 0.0) -> dict[str, Any] | None:
-        """The live params for ``request_id``, waiting up to ``wait_s`` for them to appear.
+    def get(self, key: str, wait_s: float = 0.0) -> dict[str, Any] | None:
+        """The live params published under ``key`` (the X-Request-Id the gateway sent, taken
+        as it is: it may itself end like vLLM's suffix), waiting up to ``wait_s`` for them.
 
         The returned dict carries ``expires_in_s``: the time left on this store's clock.
         """
-        key = publication_key(request_id)
         deadline = self._clock() + wait_s
         with self._lock:
             while True:
@@ -64,7 +70,7 @@ class RetainedStore:
                 self._lock.wait(remaining)
 
     def discard(self, request_id: str) -> bool:
-        """Forget ``request_id``; whether it was there."""
+        """Forget the engine request ``request_id``; whether it was there."""
         with self._lock:
             return self._entries.pop(publication_key(request_id), None) is not None
 

@@ -12,7 +12,14 @@ from pathlib import Path
 from types import FrameType
 
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.engines import Deployment, EngineError, KVSettings, plan_specs, start_engines
+from kvturn.gateway.engines import (
+    Deployment,
+    EngineError,
+    EngineSpec,
+    KVSettings,
+    plan_specs,
+    start_engines,
+)
 from kvturn.gateway.local_models import MODEL_NAMES, ensure_model, kvturn_home
 
 
@@ -39,13 +46,13 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    model, served_name = _resolve_model(args.model)
+def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> list[EngineSpec]:
+    """The engines ``kvturn up`` starts for these arguments."""
     kv = KVSettings(
         decoder_kv_blocks_ttl_s=args.kv_ttl,
         kv_recompute_threshold=args.recompute_threshold,
     )
-    specs = plan_specs(
+    return plan_specs(
         model,
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -55,6 +62,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill_prefix_caching=args.prefill_prefix_cache,
         kv_cache_gb=args.kv_cache_gb,
     )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    model, served_name = _resolve_model(args.model)
+    specs = engine_specs(args, model, served_name)
     log_dir = Path(args.log_dir) if args.log_dir else kvturn_home() / "logs"
     # Signals turn into an exception so every path below reaches the cleanup.
     signal.signal(signal.SIGINT, _raise_stop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -9,7 +10,19 @@ import httpx
 
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
 
-__all__ = ["PREFILL_PARAMS", "chat", "long_prompt", "metric_total", "single_engine_ids"]
+__all__ = [
+    "KV_BYTES_PER_TOKEN",
+    "PREFILL_PARAMS",
+    "NixlReads",
+    "chat",
+    "long_prompt",
+    "metric_total",
+    "single_engine_completion_ids",
+    "single_engine_ids",
+]
+
+#: The tiny test model's KV per token in float32: 4 layers x (K, V) x 2 heads x 64 dims x 4 B.
+KV_BYTES_PER_TOKEN = 4096
 
 
 def long_prompt(tokens: int, topic: str = "turtles") -> str:
@@ -25,14 +38,62 @@ def chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) 
 
 
 def single_engine_ids(
-    url: str, model: str, messages: list[dict[str, Any]], max_tokens: int
+    url: str, model: str, messages: list[dict[str, Any]], max_tokens: int, **extra: Any
 ) -> list[int]:
-    """Greedy output token ids of one engine alone; a fresh cache salt rules out cached KV."""
+    """Greedy output token ids of one engine alone; a fresh cache salt rules out cached KV.
+
+    The reference every reuse test compares with: nothing of the gateway's path (no
+    transfer, no prefix cache another request filled) can have touched it."""
     body = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "return_token_ids": True, "cache_salt": uuid.uuid4().hex,
+        "return_token_ids": True, "cache_salt": uuid.uuid4().hex, **extra,
     }  # fmt: skip
     return list(chat(url, body)["choices"][0]["token_ids"])
+
+
+def single_engine_completion_ids(url: str, model: str, prompt: str, max_tokens: int) -> list[int]:
+    """:func:`single_engine_ids` for ``/v1/completions``."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True, "cache_salt": uuid.uuid4().hex,
+    }  # fmt: skip
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    response.raise_for_status()
+    return list(response.json()["choices"][0]["token_ids"])
+
+
+class NixlReads:
+    """The NIXL reads an engine made, from its ``/metrics``: proof that a pull happened.
+
+    In kvturn's P/D, prefill reads only when it pulls a conversation's history from a decode
+    (decode's own reads of each new prompt count on decode), so prefill's count and bytes
+    rising is the evidence of reuse that a plan header alone is not."""
+
+    COUNT = "vllm:nixl_xfer_time_seconds_count"
+    BYTES = "vllm:nixl_bytes_transferred_sum"
+
+    def __init__(self, engine_url: str):
+        self.url = engine_url
+        self.count, self.bytes = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return metric_total(text, self.COUNT), metric_total(text, self.BYTES)
+
+    def wait_for(self, reads: int, min_bytes: float = 0, timeout_s: float = 90) -> float:
+        """Wait until at least ``reads`` more reads moved ``min_bytes`` more bytes; return the
+        bytes moved. vLLM publishes transfer stats on its logging tick (about 10 s), hence
+        the polling; the deadline only matters when the reads never come."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            count, moved = self._read()
+            done = count - self.count >= reads and moved - self.bytes >= min_bytes
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert count - self.count >= reads, f"{count - self.count:g} NIXL reads, not {reads}"
+        assert moved - self.bytes >= min_bytes, f"{moved - self.bytes:g} bytes, not {min_bytes}"
+        return moved - self.bytes
 
 
 def metric_total(metrics_text: str, name: str) -> float:

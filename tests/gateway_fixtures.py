@@ -63,6 +63,8 @@ class TurnResult:
     completion_tokens: int
     tool_calls: list[Any]
     finish_reason: str | None
+    #: The reply's token ids (vLLM's ``return_token_ids``), to compare with a reference.
+    token_ids: list[int]
 
 
 def run_turn(
@@ -79,6 +81,7 @@ def run_turn(
     kwargs: dict[str, Any] = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "extra_headers": headers, **extra,
+        "extra_body": {"return_token_ids": True, **extra.get("extra_body", {})},
     }  # fmt: skip
     if stream:
         kwargs["stream_options"] = {"include_usage": True}
@@ -91,17 +94,39 @@ def run_turn(
         return TurnResult(
             choice.message.content or "", plan, reused, completion.usage.prompt_tokens,
             completion.usage.completion_tokens, list(choice.message.tool_calls or []),
-            choice.finish_reason,
+            choice.finish_reason, list(getattr(choice, "token_ids", None) or []),
         )  # fmt: skip
-    text, finish, usage = "", None, None
+    text, finish, usage, token_ids = "", None, None, []
+    calls: dict[int, dict[str, Any]] = {}
     for chunk in raw.parse():
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
+            token_ids += getattr(choice, "token_ids", None) or []
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or delta.id
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
     assert usage is not None, "stream carried no usage chunk"
-    return TurnResult(text, plan, reused, usage.prompt_tokens, usage.completion_tokens, [], finish)
+    tool_calls = [_tool_call(calls[i]) for i in sorted(calls)]
+    return TurnResult(
+        text, plan, reused, usage.prompt_tokens, usage.completion_tokens, tool_calls, finish,
+        token_ids,
+    )  # fmt: skip
+
+
+def _tool_call(streamed: dict[str, Any]) -> Any:
+    """A streamed tool call put together, as the SDK's non-streamed message holds one."""
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall
+
+    return ChatCompletionMessageFunctionToolCall.model_validate({
+        "id": streamed["id"], "type": "function",
+        "function": {"name": streamed["name"], "arguments": streamed["arguments"]},
+    })  # fmt: skip
 
 
 def metric(url: str, name: str) -> float:

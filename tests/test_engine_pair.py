@@ -12,7 +12,9 @@ import pytest
 
 from tests.conftest import LocalPair
 from tests.engine_requests import (
+    KV_BYTES_PER_TOKEN,
     PREFILL_PARAMS,
+    NixlReads,
     chat,
     long_prompt,
     metric_total,
@@ -92,6 +94,67 @@ def test_decode_publishes_retained_kv_for_the_gateway(local_pair: LocalPair) -> 
     assert 0 < published["expires_in_s"] <= 120
     missing = httpx.get(f"{local_pair.decode_control_url}/kvturn/retained/nope")
     assert missing.status_code == 404
+
+
+def _retained_on_decode(pair: LocalPair, messages: list[dict[str, str]]) -> dict[str, object]:
+    """One P/D turn straight on the engines; what decode then publishes (as the gateway gets it
+    before a pull-reuse turn)."""
+    prefill = chat(
+        pair.prefill_url,
+        {"model": pair.model, "messages": messages, "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": dict(PREFILL_PARAMS)},
+    )  # fmt: skip
+    request_id = f"kvturn-test-{uuid.uuid4().hex[:8]}"  # ends like a vLLM suffix: found as sent
+    chat(
+        pair.decode_url,
+        {"model": pair.model, "messages": messages, "max_tokens": 8, "temperature": 0,
+         "kv_transfer_params": prefill["kv_transfer_params"]},
+        headers={"X-Request-Id": request_id},
+    )  # fmt: skip
+    url = f"{pair.decode_control_url}/kvturn/retained/{request_id}?wait_ms=5000"
+    params = httpx.get(url, timeout=30).json()
+    params.pop("expires_in_s")
+    return dict(params)
+
+
+def _pull(pair: LocalPair, messages: list[dict[str, str]], params: dict[str, object]) -> int:
+    """Prefill ``messages`` with a decode's retained params; the tokens it took from them."""
+    answer = chat(
+        pair.prefill_url,
+        {"model": pair.model, "messages": messages, "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": params},
+    )  # fmt: skip
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+
+
+def _prompt_ids(pair: LocalPair, messages: list[dict[str, str]]) -> list[int]:
+    body = {"model": pair.model, "messages": messages}
+    return list(httpx.post(f"{pair.prefill_url}/tokenize", json=body, timeout=60).json()["tokens"])
+
+
+def test_prefill_pulls_only_what_the_digests_prove(local_pair: LocalPair) -> None:
+    """The connector's guard against vLLM trusting any KV it is pointed at: without digests
+    nothing is pulled; with them, only whole blocks of the verified common prefix."""
+    topic = f"owls {uuid.uuid4()}"
+    held = [{"role": "user", "content": long_prompt(800, topic)}]
+    params = _retained_on_decode(local_pair, held)
+    # The same history diverging at character 500 (one token per character).
+    text = str(held[0]["content"])
+    changed = [{"role": "user", "content": text[:500] + "Z" * 50 + text[550:] + " More?"}]
+    common = next(
+        i for i, (a, b) in enumerate(zip(_prompt_ids(local_pair, held),
+                                         _prompt_ids(local_pair, changed), strict=False))
+        if a != b
+    )  # fmt: skip
+
+    unproven = {k: v for k, v in params.items() if k != "kvturn_prefix_digests"}
+    assert _pull(local_pair, changed, unproven) == 0, "pulled KV with nothing to verify it"
+
+    reads = NixlReads(local_pair.prefill_url)
+    pulled = _pull(local_pair, changed, params)
+    assert 0 < pulled <= common
+    assert pulled % 16 == 0 and pulled > common - 32  # whole blocks, up to the divergence
+    reads.wait_for(1, min_bytes=pulled * KV_BYTES_PER_TOKEN)
 
 
 @pytest.mark.stops_engines

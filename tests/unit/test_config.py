@@ -1,6 +1,9 @@
+import json
+from pathlib import Path
+
 import pytest
 
-from kvturn.gateway.cli import build_parser
+from kvturn.gateway.cli import build_parser, engine_specs
 from kvturn.gateway.config import GatewayConfig, endpoints
 
 
@@ -29,3 +32,22 @@ def test_serve_flags_reach_the_config() -> None:
          "--max-body-bytes", "1000"]
     )  # fmt: skip
     assert args.lease_s == 3.0 and args.max_body_bytes == 1000
+
+
+def test_up_flags_reach_the_engines(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    args = build_parser().parse_args(
+        ["up", "--prefill", "1", "--decode", "2", "--recompute-threshold", "100",
+         "--kv-cache-gb", "1", "--kv-ttl", "30"]
+    )  # fmt: skip
+    specs = engine_specs(args, tmp_path, "m")
+    assert [s.role for s in specs] == ["prefill", "decode", "decode"]
+    assert len({s.port for s in specs}) == len({s.side_channel_port for s in specs}) == 3
+    for spec in specs:
+        assert spec.environment({})["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        command = spec.command()
+        config = json.loads(command[command.index("--kv-transfer-config") + 1])
+        extra = config["kv_connector_extra_config"]
+        assert extra["kv_recompute_threshold"] == 100
+        assert extra["decoder_kv_blocks_ttl"] == 30
+    assert [bool(s.control_port) for s in specs] == [False, True, True]

@@ -116,7 +116,7 @@ def test_parallel_turns_never_share_retained_kv(gateway: str) -> None:
     import concurrent.futures
 
     _chat(gateway, **{"X-Conversation-Id": "par"})
-    time.sleep(0.2)  # the first turn's KV location is recorded
+    # No waiting here: a turn waits for its conversation's previous reply to be recorded.
 
     def turn(_: int) -> str:
         # Each engine call takes 300 ms, so both turns are in flight together.
@@ -152,7 +152,7 @@ def test_a_reader_leaving_a_stream_stops_it_at_the_engine(gateway: str, fake_url
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
     # The gateway notices the reader left, closes its stream to the engine, which stops.
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 10
     while httpx.get(fake_url + "/fake/counts").json()["abandoned"] == before:
         assert time.monotonic() < deadline, "the engine kept streaming to nobody"
         time.sleep(0.02)

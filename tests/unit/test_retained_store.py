@@ -17,8 +17,18 @@ class FakeClock:
 
 def test_publication_key_strips_vllm_decorations() -> None:
     assert publication_key("chatcmpl-kvturn-abc-1234abcd") == "kvturn-abc"
-    assert publication_key("cmpl-req-9-deadbeef") == "req-9"
+    # vLLM 0.32 names a completion "cmpl-<X-Request-Id>-<prompt position>-<8 hex>".
+    assert publication_key("cmpl-req-9-0-deadbeef") == "req-9"
+    assert publication_key("cmpl-kvturn-ab12-7-0-0123abcd") == "kvturn-ab12-7"
     assert publication_key("plain") == "plain"
+
+
+def test_a_request_id_that_looks_decorated_is_found_as_sent() -> None:
+    store = RetainedStore()
+    # The gateway's ids end in a counter: "-12345678" looks like vLLM's random suffix.
+    store.publish("chatcmpl-kvturn-ab-12345678-0f0f0f0f", {"remote_num_tokens": 5}, ttl_s=10)
+    assert store.get("kvturn-ab-12345678") is not None
+    assert store.discard("chatcmpl-kvturn-ab-12345678-0f0f0f0f")
 
 
 def test_entries_expire_and_report_time_left() -> None:
