@@ -1,9 +1,11 @@
 """What kvturn.client adds to each request, against the plain openai client.
 
-Every client talks to an in-process ``httpx2.MockTransport`` (the HTTP library openai 3.x is
-built on) that answers a canned chat completion or stream (each event its own chunk of the
-body, as a server flushing tokens sends them), so the network and the server are out of the
-measurement and what remains is client-side work, end to end through the SDK.
+Every client talks to an in-process ``MockTransport`` of the HTTP library the installed openai
+is built on (httpx2 for openai 3.x, httpx before) that answers a canned chat completion or
+stream (each event its own chunk of the body, as a server flushing tokens sends them; a
+completion as a body read from the wire, not one handed over whole), so the network and the
+server are out of the measurement and what remains is client-side work, end to end through the
+SDK.
 
 Method, chosen so that an A/A comparison of two identical plain clients reads ~0:
 
@@ -67,10 +69,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx2
+import httpx
 import openai
 
 import kvturn.client
+
+try:
+    import httpx2
+except ImportError:  # openai 1.x and 2.x are built on httpx alone
+    httpx2 = None
+
+#: The HTTP library the installed openai is built on.
+http: Any = (
+    httpx2 if httpx2 is not None and issubclass(openai.DefaultHttpxClient, httpx2.Client) else httpx
+)
 
 BASE_URL = "http://bench.invalid/v1"
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
@@ -120,7 +132,7 @@ SSE_TOOL_EVENTS = [
 #: Requests that carry tools get the tool-calling stream.
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 #: What the kvturn gateway says on every answer of a conversation.
-HEADERS = {"X-Kvturn-Lease-Seconds": "30", "X-Kvturn-Plan": "decode-local"}
+HEADERS = {"X-Kvturn-Lease-Seconds": "30", "X-Kvturn-Plan": "pull-reuse"}
 #: The four headers kvturn adds, as a caller of the plain client would add them.
 TURN_HEADERS = {
     "X-Conversation-Id": "bench",
@@ -131,20 +143,22 @@ TURN_HEADERS = {
 
 
 SSE_HEADERS = {**HEADERS, "content-type": "text/event-stream"}
+JSON_HEADERS = {**HEADERS, "content-type": "application/json"}
+COMPLETION_BODY = json.dumps(COMPLETION).encode()
 
 
-def _stream_events(request: httpx2.Request) -> list[bytes] | None:
+def _stream_events(request: Any) -> list[bytes] | None:
     content = request.content.replace(b" ", b"")
     if b'"stream":true' not in content:
         return None
     return SSE_TOOL_EVENTS if b'"tools":' in content else SSE_EVENTS
 
 
-def handler(request: httpx2.Request) -> httpx2.Response:
+def handler(request: Any) -> Any:
     events = _stream_events(request)
     if events is not None:
-        return httpx2.Response(200, content=iter(events), headers=SSE_HEADERS)
-    return httpx2.Response(200, json=COMPLETION, headers=HEADERS)
+        return http.Response(200, content=iter(events), headers=SSE_HEADERS)
+    return http.Response(200, content=iter([COMPLETION_BODY]), headers=JSON_HEADERS)
 
 
 async def _events(events: list[bytes]) -> Any:
@@ -152,11 +166,11 @@ async def _events(events: list[bytes]) -> Any:
         yield event
 
 
-def async_handler(request: httpx2.Request) -> httpx2.Response:
+def async_handler(request: Any) -> Any:
     events = _stream_events(request)
     if events is not None:
-        return httpx2.Response(200, content=_events(events), headers=SSE_HEADERS)
-    return httpx2.Response(200, json=COMPLETION, headers=HEADERS)
+        return http.Response(200, content=_events(events), headers=SSE_HEADERS)
+    return http.Response(200, content=_events([COMPLETION_BODY]), headers=JSON_HEADERS)
 
 
 def make(cls: type[Any], **kwargs: Any) -> Any:
@@ -164,7 +178,7 @@ def make(cls: type[Any], **kwargs: Any) -> Any:
         base_url=BASE_URL,
         api_key="x",
         max_retries=0,
-        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
+        http_client=http.Client(transport=http.MockTransport(handler)),
         **kwargs,
     )
 
@@ -174,7 +188,7 @@ def make_async(cls: type[Any], **kwargs: Any) -> Any:
         base_url=BASE_URL,
         api_key="x",
         max_retries=0,
-        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(async_handler)),
+        http_client=http.AsyncClient(transport=http.MockTransport(async_handler)),
         **kwargs,
     )
 
@@ -301,44 +315,45 @@ def run(comparisons: list[Comparison], pairs: int, block: int, seed: int = 1) ->
 
 
 def hook_cost(iterations: int) -> float:
-    """CPU µs of kvturn's own per-request work in a hot loop: turn start (pause clock, turn
-    id, headers), tagging the HTTP request, reading the response headers, turn end (tool
-    check, beat planning)."""
-    from openai._models import FinalRequestOptions
-    from openai.types.chat import ChatCompletion
+    """CPU µs of kvturn's own per-request work in a hot loop: what its HTTP client hooks do
+    to one request and its answer (turn start, the turn's headers on the request, the answer's
+    headers, the watched body read and closed, turn end with beat planning), less the same
+    loop without them (making, reading and closing the request and response)."""
+    from kvturn.client._base import attempt_answered, attempt_started
 
-    from kvturn.client._base import observe_response_headers, tag_request_headers
-    from kvturn.client._replies import result_asks_for_tools
+    client = make(kvturn.client.OpenAI, heartbeats=False)
+    # About the dozen headers the SDK puts on a request.
+    sdk_headers = {
+        "Accept": "application/json",
+        "Content-Type": "application/json",
+        "User-Agent": "OpenAI/Python bench",
+        "Authorization": "Bearer x",
+        **{f"X-Stainless-{name}": "x" for name in ("Lang", "Package-Version", "OS", "Arch")},
+        **{f"X-Stainless-{name}": "x" for name in ("Runtime", "Runtime-Version", "Async")},
+        "x-stainless-retry-count": "0",
+    }
 
-    client = make(kvturn.client.OpenAI)
-    reply = ChatCompletion.model_validate(COMPLETION)
-    response_headers = httpx2.Headers(
-        {**HEADERS, "content-type": "application/json", "content-length": "200"}
-    )
-    # What the SDK's own headers on a request look like (about a dozen).
-    request = client._build_request(
-        FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={})
-    )
-    sdk_headers = request.headers.copy()
-    options = FinalRequestOptions.construct(
-        method="post", url="/chat/completions", json_data={"model": "m", "messages": MESSAGES}
-    )
-    with client.conversation("hooks"):
+    def one(hooked: bool) -> None:
+        request = http.Request("POST", BASE_URL + "/chat/completions", headers=sdk_headers)
+        if hooked:
+            attempt_started(request)
+        response = http.Response(
+            200, content=iter([COMPLETION_BODY]), headers=JSON_HEADERS, request=request
+        )
+        if hooked:
+            attempt_answered(response, False)
+        response.read()
 
-        def one() -> None:
-            turn = client._kvturn_begin(options)
-            assert turn is not None
-            headers = sdk_headers.copy()
-            tag_request_headers(headers, turn.header_items, replace=turn.replace_headers)
-            observe_response_headers(turn, response_headers)
-            client._kvturn_finish(turn, tool_calls=result_asks_for_tools(reply))
-
+    def timed(hooked: bool) -> float:
         for _ in range(1000):
-            one()
+            one(hooked)
         start = time.process_time_ns()
         for _ in range(iterations):
-            one()
-        cost = (time.process_time_ns() - start) / iterations / 1000
+            one(hooked)
+        return (time.process_time_ns() - start) / iterations / 1000
+
+    with client.conversation("hooks"):
+        cost = min(timed(True) for _ in range(3)) - min(timed(False) for _ in range(3))
     client.close()
     return cost
 
@@ -560,7 +575,8 @@ def main() -> None:
         + f", each running its share in blocks of {args.block} consecutive "
         f"pairs, the comparisons taking turns in random order ({elapsed:.0f} s in all). "
         "Every client talks to "
-        "an in-process `httpx2.MockTransport` (openai 3.x is built on httpx2), so no network "
+        f"an in-process `{http.__name__}.MockTransport` (the HTTP library of the installed "
+        "openai), so no network "
         "or server time is included: what remains is client-side work, end to end through "
         "the SDK. A pair is one request of the plain client and one of the client under test, "
         "in random order; the table gives the mean of the per-pair differences ± its standard "
@@ -575,8 +591,9 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|",
         *(comparison.row() for comparison in pooled.values()),
         "",
-        "kvturn's own per-request work in a hot loop (turn start, tagging the request, "
-        "response headers, turn end with beat planning; 20,000 iterations): "
+        "kvturn's own per-request work in a hot loop (its HTTP client hooks on one request "
+        "and its answer: turn start, headers, answer headers, the body watched, turn end with "
+        "beat planning; less the same loop without them; 20,000 iterations): "
         + (
             "not measured (another version's internals)."
             if math.isnan(hooks)

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from kvturn.control import HeartbeatRequest, HeartbeatResponse
 from kvturn.headers import CONVERSATION_ID, PAUSE_KIND, PAUSE_MS, TURN_ID, is_valid_conversation_id
 
-from ._bodies import AsyncWatchedStream, WatchedStream, body_asks_for_tools
+from ._bodies import AsyncWatchedStream, WatchedStream, body_read
 from ._clock import Clock, monotonic_clock
 from ._conversation import Conversation, Turn, _current, begin_turn, finish_turn, resume_turn
 from ._headers import new_conversation_id
@@ -60,9 +60,7 @@ MAX_IDLE_CONVERSATIONS = 10_000
 
 #: The header the openai SDK puts on every attempt of a request: how many retries came before.
 RETRY_COUNT = "x-stainless-retry-count"
-_RETRY_COUNT_KEY = RETRY_COUNT.lower()
-_TURN_ID_KEY = TURN_ID.lower()
-_PAUSE_HEADERS = tuple((name, name.lower()) for name in (PAUSE_MS, PAUSE_KIND))
+_PAUSE_HEADERS = (PAUSE_MS, PAUSE_KIND)
 
 
 class Worker(Protocol):
@@ -237,9 +235,10 @@ class KvturnCore:
 
 # -- the HTTP client's event hooks ---------------------------------------------------------
 
-#: The turn of the request this context sent last: its retries (and redirects) are attempts of
-#: the same turn. Set by the request hook, which runs in the caller's context.
-_attempt: ContextVar[Turn | None] = ContextVar("kvturn_attempt", default=None)
+#: The turn of the request this context sent last, and the HTTP request of its last attempt:
+#: retries (and redirects) are attempts of the same turn. Set by the request hook, which runs
+#: in the caller's context, and read by the response hook right after.
+_attempt: ContextVar[tuple[Turn, Any] | None] = ContextVar("kvturn_attempt", default=None)
 
 
 def _conversation_of(request: Any) -> Conversation | None:
@@ -266,44 +265,55 @@ def attempt_started(request: Any) -> None:
     if conversation is None:
         return
     headers = request.headers
-    names = headers.keys()  # lower-case, in one pass over the headers
-    turn = _attempt.get()
+    attempt = _attempt.get()
+    turn = None if attempt is None else attempt[0]
     if (
         turn is not None
         and turn.conversation is conversation
         and (
-            (_RETRY_COUNT_KEY in names and headers[RETRY_COUNT] != "0")
-            or (_TURN_ID_KEY in names and headers[TURN_ID] == turn.turn_id)
+            headers.get(RETRY_COUNT, "0") != "0"
+            or headers.get(TURN_ID) == turn.turn_id  # (a redirect)
         )
     ):
         resume_turn(turn)
     else:
+        if turn is not None and not turn.finished and turn.answer is None:
+            # This context's last request got no answer at all and a new one starts: the last
+            # one failed before any response (a connection error, say), which no hook sees.
+            finish_turn(turn, False)
         turn = begin_turn(conversation)
-        _attempt.set(turn)
-    ours = turn.headers
+    _attempt.set((turn, request))
     # Same-named headers set by the caller (or among the client's defaults) are replaced, and
     # a turn without a pause sends no pause headers, whatever a caller put there.
-    for name, key in _PAUSE_HEADERS:
-        if key in names and name not in ours:
-            del headers[name]
-    for name, value in ours.items():
+    if turn.pause is None:
+        for name in _PAUSE_HEADERS:
+            if name in headers:
+                del headers[name]
+    for name, value in turn.headers.items():
         headers[name] = value
 
 
-def attempt_answered(response: Any, asynchronous: bool) -> None:
+def attempt_answered(response: Any, asynchronous: bool) -> Turn | None:
     """Response hook: the answer to an attempt of a turn. Its headers (plan, reused tokens,
-    lease) are kept on the turn, and its body is watched: the turn ends when it does."""
-    turn = _attempt.get()
-    if turn is None or response.request.headers.get(TURN_ID) != turn.turn_id:
-        return
+    lease) are kept on the turn. A JSON body is for the hook to read at once (the SDK reads it
+    at once too; read, it ends the turn): its turn is returned. Any other body (a stream) is
+    watched, and ends the turn when it is closed."""
+    attempt = _attempt.get()
+    if attempt is None or response.request is not attempt[1]:
+        return None
+    turn = attempt[0]
     answer: Mapping[str, str] = response.headers
     turn.answer = answer
     turn.conversation.observe_lease(answer)
     if response.is_closed:  # read already: a body given whole (a mock transport's, say)
-        finish_turn(turn, body_asks_for_tools(response.content, answer))
-        return
+        body_read(turn, response.content)
+        return None
+    content_type = answer.get("content-type", "")
+    if content_type.startswith("application/json"):
+        return turn
     watcher = AsyncWatchedStream if asynchronous else WatchedStream
-    response.stream = watcher(response.stream, turn, answer)
+    response.stream = watcher(response.stream, turn, answer, content_type)
+    return None
 
 
 def _on_request(request: Any) -> None:
@@ -311,7 +321,14 @@ def _on_request(request: Any) -> None:
 
 
 def _on_response(response: Any) -> None:
-    attempt_answered(response, False)
+    turn = attempt_answered(response, False)
+    if turn is not None:
+        try:
+            body = response.read()
+        except BaseException:
+            finish_turn(turn, False)
+            raise
+        body_read(turn, body)
 
 
 async def _on_request_async(request: Any) -> None:
@@ -319,7 +336,14 @@ async def _on_request_async(request: Any) -> None:
 
 
 async def _on_response_async(response: Any) -> None:
-    attempt_answered(response, True)
+    turn = attempt_answered(response, True)
+    if turn is not None:
+        try:
+            body = await response.aread()
+        except BaseException:
+            finish_turn(turn, False)
+            raise
+        body_read(turn, body)
 
 
 def install_hooks(http_client: Any, *, asynchronous: bool) -> None:

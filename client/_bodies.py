@@ -10,11 +10,13 @@ a custom transport hands them): :class:`WatchedStream` for sync clients,
 tool calls on the way, and ends the turn when it is closed, or, for a response dropped unread,
 when it is collected.
 
-Tool calls are read from the text: a streamed reply (server-sent events) line by line, and
-only the lines that hold :data:`~._replies.TOOL_MARK` are looked at more closely; any other
-body (JSON) whole, once it has been read. Bodies compressed with gzip or deflate are inflated
-for the look; other encodings are passed on unread (their tool calls then go unseen: the pause
-after them is reported as a user pause unless an adapter reports the tool).
+A JSON body is not watched: the SDK reads it whole at once, so the response hook reads it
+itself (``response.read()``; the SDK then gets the same bytes) and :func:`body_read` ends the
+turn. Tool calls are read from the text: a JSON body whole, a streamed reply (server-sent
+events) line by line as it goes by, and only text that holds :data:`~._replies.TOOL_MARK` is
+looked at more closely. A stream compressed with gzip or deflate is inflated for the look;
+other encodings are passed on unread (their tool calls then go unseen: the pause after them is
+reported as a user pause unless an adapter reports the tool).
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ from typing import Any
 from ._conversation import Turn, finish_turn
 from ._replies import TOOL_MARK, event_asks_for_tools
 
-__all__ = ["AsyncWatchedStream", "WatchedStream", "body_asks_for_tools"]
+__all__ = ["AsyncWatchedStream", "WatchedStream", "body_read"]
 
 _MARK = TOOL_MARK.encode("ascii")
-#: Beyond this much text a body's tool calls are not looked for (a JSON body is kept whole
-#: until it has been read; a streamed event line until it is complete).
+#: A streamed event line longer than this is not looked at for tool calls.
 MAX_WATCHED_BYTES = 8 << 20
 
 
@@ -77,53 +78,46 @@ def _lines_ask_for_tools(lines: bytes) -> bool:
     return False
 
 
-def body_asks_for_tools(body: bytes, headers: Mapping[str, str]) -> bool:
-    """Whether a whole body (its text: already decoded) calls tools."""
-    if _MARK not in body:
-        return False
-    if "text/event-stream" in headers.get("content-type", ""):
-        return _lines_ask_for_tools(body)
-    return event_asks_for_tools(body.decode("utf-8", "replace"))
+def body_read(turn: Turn, body: bytes) -> None:
+    """A whole body (decoded) was read: the turn ends, having called tools or not."""
+    tools = False
+    if _MARK in body:
+        events = turn.answer is not None and "event-stream" in turn.answer.get("content-type", "")
+        text = body.decode("utf-8", "replace")
+        tools = _lines_ask_for_tools(body) if events else event_asks_for_tools(text)
+    finish_turn(turn, tools)
 
 
 class BodyWatch:
     """What the sync and async watchers share: the turn, the look for tool calls, the end."""
 
-    def __init__(self, stream: Any, turn: Turn, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self, stream: Any, turn: Turn, headers: Mapping[str, str], content_type: str
+    ) -> None:
         self._stream = stream
         self._turn = turn
         self._ended = False
         #: Whether the body has called tools so far.
         self.tools_seen = False
-        #: Whether the bytes still need looking at (not once tools were seen, or unreadable).
-        self.watching = True
-        self._events = "text/event-stream" in headers.get("content-type", "")
-        # Streamed: the last line, not yet complete. Otherwise: the body so far.
+        #: Whether the bytes still need looking at: the events of a stream, until one calls
+        #: tools (other bodies that are not JSON, read by the hook, hold no tool calls).
+        self.watching = "text/event-stream" in content_type
+        # The last line, not yet complete.
         self._pending = b""
-        self._body: list[bytes] = []
-        self._size = 0
         try:
             self._inflate = _inflater(headers.get("content-encoding"))
-        except (LookupError, zlib.error):
+        except LookupError:
             self._inflate = None
             self.watching = False
 
     def saw(self, chunk: bytes) -> None:
-        """Look at the next bytes of the body for tool calls."""
+        """Look at the next bytes of a stream for tool calls."""
         if self._inflate is not None:
             try:
                 chunk = self._inflate(chunk)
             except zlib.error:
                 self.watching = False
                 return
-        self._size += len(chunk)
-        if self._size > MAX_WATCHED_BYTES and not self._events:
-            self.watching = False
-            self._body = []
-            return
-        if not self._events:
-            self._body.append(chunk)
-            return
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n") + 1
         if cut:
@@ -138,15 +132,8 @@ class BodyWatch:
         if self._ended:
             return
         self._ended = True
-        if self.watching:
-            rest = self._pending if self._events else b"".join(self._body)
-            if _MARK in rest:
-                self.tools_seen = (
-                    _lines_ask_for_tools(rest)
-                    if self._events
-                    else event_asks_for_tools(rest.decode("utf-8", "replace"))
-                )
-        self._body = []
+        if self.watching and _MARK in self._pending and _lines_ask_for_tools(self._pending):
+            self.tools_seen = True
         finish_turn(self._turn, self.tools_seen)
 
     def __del__(self) -> None:

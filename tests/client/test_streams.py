@@ -299,3 +299,29 @@ def test_an_unreadable_encoding_passes_through_and_still_ends_the_turn() -> None
             assert response.http_response.headers["content-encoding"] == "br"
         assert conversation.in_flight == 0 and conversation.turns[0].tool_calls is False
     client.close()
+
+
+def test_a_request_that_fails_without_an_answer_ends_its_turn_by_the_next_one() -> None:
+    fail = [True]
+
+    def answer(request: Any) -> Any:
+        if fail[0]:
+            raise http.ConnectError("refused", request=request)
+        return http.Response(200, content=_completion_body(False))
+
+    client = OpenAI(
+        base_url="http://stub.invalid/v1",
+        api_key="x",
+        max_retries=1,
+        heartbeats=False,
+        release_on_exit=False,
+        http_client=http.Client(transport=http.MockTransport(answer)),
+    )
+    with client.conversation() as conversation:
+        with pytest.raises(openai.APIConnectionError):
+            client.chat.completions.create(model="m", messages=MESSAGES)
+        assert conversation.turn_count == 1  # the retry was an attempt of the same turn
+        fail[0] = False
+        client.chat.completions.create(model="m", messages=MESSAGES)
+        assert conversation.in_flight == 0 and conversation.turn_count == 2
+    client.close()
