@@ -7,9 +7,11 @@ A turn is followed at the HTTP client, through its public event hooks, so it see
 goes on the wire whatever the SDK does above it (retries, streams, raw responses):
 :func:`attempt_started` (the request hook) starts the turn, or resumes it for a retry, and puts
 its headers on the request; :func:`attempt_answered` (the response hook) reads the gateway's
-answer headers and puts a watcher on the response's byte stream that ends the turn when the
-reply ends (``_bodies.py``). :class:`BaseKvturnClient` holds what the two client classes share;
-``OpenAI``/``AsyncOpenAI`` add only what differs by I/O.
+answer headers, then reads a JSON body itself (the turn ends there) or puts a watcher on a
+stream's bytes that ends the turn when the stream does (``_bodies.py``). Known limit: a request
+that fails before any answer (a connection error the SDK gives up on) is seen by no hook; its
+turn ends when the next request of the same context starts. :class:`BaseKvturnClient` holds
+what the two client classes share; ``OpenAI``/``AsyncOpenAI`` add only what differs by I/O.
 """
 
 from __future__ import annotations
@@ -285,11 +287,12 @@ def attempt_started(request: Any) -> None:
     _attempt.set((turn, request))
     # Same-named headers set by the caller (or among the client's defaults) are replaced, and
     # a turn without a pause sends no pause headers, whatever a caller put there.
-    if turn.pause is None:
+    ours = turn.headers
+    if PAUSE_MS not in ours:
         for name in _PAUSE_HEADERS:
             if name in headers:
                 del headers[name]
-    for name, value in turn.headers.items():
+    for name, value in ours.items():
         headers[name] = value
 
 

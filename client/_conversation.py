@@ -9,10 +9,18 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from kvturn.headers import LEASE_SECONDS, PLAN, REUSED_TOKENS
+from kvturn.headers import (
+    CONVERSATION_ID,
+    LEASE_SECONDS,
+    PAUSE_KIND,
+    PAUSE_MS,
+    PLAN,
+    REUSED_TOKENS,
+    TURN_ID,
+)
 
 from ._clock import Clock
-from ._headers import new_turn_id, turn_headers
+from ._headers import new_turn_id
 from ._pauses import Pause
 
 if TYPE_CHECKING:
@@ -39,17 +47,15 @@ class Turn:
     Made by the client, one per request; read them from ``Conversation.turns``.
     """
 
-    __slots__ = ("answer", "conversation", "finished", "headers", "pause", "tool_calls", "turn_id")
+    __slots__ = ("answer", "conversation", "finished", "headers", "tool_calls", "turn_id")
 
-    def __init__(self, conversation: Conversation, pause: Pause | None) -> None:
+    def __init__(self, conversation: Conversation, headers: dict[str, str]) -> None:
         #: The conversation the turn belongs to.
         self.conversation = conversation
+        #: The headers every attempt of this turn carries (see ``turn_headers``).
+        self.headers = headers
         #: The turn id every attempt of this turn carries.
-        self.turn_id = new_turn_id()
-        #: The pause before this turn, as sent (``None`` on a first or parallel turn).
-        self.pause = pause
-        #: The headers every attempt of this turn carries.
-        self.headers: dict[str, str] = turn_headers(conversation.id, self.turn_id, pause)
+        self.turn_id = headers[TURN_ID]
         #: The response headers of the turn's last attempt; ``None`` until one arrives.
         self.answer: Mapping[str, str] | None = None
         #: Whether the turn's reply has ended.
@@ -61,6 +67,14 @@ class Turn:
     def conversation_id(self) -> str:
         """The id of the conversation the turn belongs to."""
         return self.conversation.id
+
+    @property
+    def pause(self) -> Pause | None:
+        """The pause before this turn, as sent (``None`` on a first or parallel turn)."""
+        ms = self.headers.get(PAUSE_MS)
+        if ms is None:
+            return None
+        return Pause(ms=int(ms), kind="tool" if self.headers[PAUSE_KIND] == "tool" else "user")
 
     @property
     def plan(self) -> str | None:
@@ -206,7 +220,12 @@ class Conversation:
 
 
 def _pause(now: float, ended_at: float, tool: bool) -> Pause:
-    return Pause(ms=max(0, round((now - ended_at) * 1000)), kind="tool" if tool else "user")
+    return Pause(ms=_pause_ms(now, ended_at), kind="tool" if tool else "user")
+
+
+def _pause_ms(now: float, ended_at: float) -> int:
+    ms = round((now - ended_at) * 1000)
+    return ms if ms > 0 else 0
 
 
 def begin_turn(conversation: Conversation) -> Turn:
@@ -220,7 +239,12 @@ def begin_turn(conversation: Conversation) -> Turn:
         conversation._tool_pending = False
         conversation._in_flight += 1
         conversation._turns_begun += 1
-    turn = Turn(conversation, None if ended_at is None else _pause(now, ended_at, tool))
+    # turn_headers(), made directly: this runs on every request.
+    headers = {CONVERSATION_ID: conversation.id, TURN_ID: new_turn_id()}
+    if ended_at is not None:
+        headers[PAUSE_MS] = str(_pause_ms(now, ended_at))
+        headers[PAUSE_KIND] = "tool" if tool else "user"
+    turn = Turn(conversation, headers)
     conversation._history.append(turn)
     return turn
 
