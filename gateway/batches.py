@@ -49,25 +49,24 @@ async def serve_batch(
     serving: Sequence[Coroutine[Any, Any, Reply]], *, stream: bool, choices_per_prompt: int
 ) -> Reply:
     """Await every prompt's reply (in the batch's order) and merge them into one."""
-    replies = list(await asyncio.gather(*serving, return_exceptions=True))
-    failure = next((r for r in replies if not isinstance(r, Reply)), None)
-    failed = failure or next((r for r in replies if r.status != 200), None)  # type: ignore[union-attr]
-    if failed is not None:
+    replies = await asyncio.gather(*serving, return_exceptions=True)
+    errors = [r for r in replies if isinstance(r, BaseException)]
+    answered = [r for r in replies if isinstance(r, Reply)]
+    refused = [r for r in answered if r.status != 200]
+    if errors or refused:
         # One prompt failed: the engine would have refused the whole batch.
-        for reply in replies:
-            if isinstance(reply, Reply) and reply.stream is not None:
+        for reply in answered:
+            if reply.stream is not None:
                 await reply.stream.aclose()
-        if isinstance(failed, BaseException):
-            raise failed
-        return failed
-    ok: list[Reply] = replies  # type: ignore[assignment]
-    headers = ok[0].headers
+        if errors:
+            raise errors[0]
+        return refused[0]
+    headers = answered[0].headers
     if not stream:
-        bodies = [orjson.loads(r.body) for r in ok]
+        bodies = [orjson.loads(r.body) for r in answered]
         return Reply(200, orjson.dumps(merge_bodies(bodies, choices_per_prompt)), headers)
-    streams = [r.stream for r in ok]
-    assert all(s is not None for s in streams)
-    return Reply(200, headers=headers, stream=BatchStream(streams, choices_per_prompt))  # type: ignore[arg-type]
+    streams = [r.stream for r in answered if r.stream is not None]
+    return Reply(200, headers=headers, stream=BatchStream(streams, choices_per_prompt))
 
 
 def merge_bodies(bodies: list[dict[str, Any]], choices_per_prompt: int) -> dict[str, Any]:
