@@ -1,35 +1,64 @@
 """A tiny HTTP server inside the decode engine process that answers the gateway.
 
 It runs on a daemon thread of the engine-core process (where the scheduler-side connector
-lives), on loopback by default. Routes:
+lives), on loopback by default. Every route but ``/kvturn/health`` needs
+``Authorization: Bearer <secret>`` when the engine has a secret (``KVTURN_CONTROL_SECRET`` in
+its environment, which ``kvturn up`` generates and gives to the engines and the gateway alike);
+anything else gets 401 and changes nothing. Routes (``{key}`` is the X-Request-Id the gateway
+sent with the turn):
 
-``GET /kvturn/retained/{request_id}?wait_ms=N``
-    The retained-KV params published for that request (404 if none).
+``GET /kvturn/retained/{key}?wait_ms=N``
+    The live lease's params (what a prefill needs to read the blocks) and ``expires_in_s``,
+    waiting up to N ms for the turn to finish; 404 with ``reason`` if there is none.
+``POST /kvturn/leases/{key}/claim``
+    A prefill is about to read the lease: it is held until the read ends. Answers the params,
+    with ``remote_blocks_expiry_time`` brought up to the lease's current deadline; 404 with
+    ``reason`` (``expired``, ``reclaimed``, ``released``, ``superseded``, ``read``, ``unknown``).
+``POST /kvturn/leases/{key}/renew``
+    Body ``{"lease_s": s, "pause_kind": "tool"|"user", "paused_ms": n}``: extend a live lease.
+    Answers ``{"expires_in_s": s}``, or 404 with ``reason``.
+``DELETE /kvturn/leases/{key}[?claimed=1]``
+    Free the blocks now (``claimed=1``: the caller's own claim is over, its read ended).
+``GET /kvturn/leases``
+    Counters: live leases, blocks they hold, retained, renewed, claimed, ended by reason.
 ``GET /kvturn/health``
-    ``{"ok": true, "retained": <count>}``.
+    ``{"ok": true}``.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kvturn.connector.retained_store import RetainedStore
+from kvturn.connector.leases import Lease, LeaseTable
 
 logger = logging.getLogger(__name__)
 
 _MAX_WAIT_S = 5.0
+_MAX_BODY = 64 * 1024
+
+
+def lease_answer(lease: Lease, now: float) -> dict[str, Any]:
+    """A lease's params as the gateway gets them: the deadline as a duration and, for the
+    prefill's own expiry check, on this process's clock (where NIXL stamps it too)."""
+    params = dict(lease.params)
+    if params.get("remote_blocks_expiry_time") is not None:
+        params["remote_blocks_expiry_time"] = lease.expires_at
+    params["expires_in_s"] = round(lease.expires_at - now, 3)
+    return params
 
 
 class ControlServer:
-    """Serve a :class:`RetainedStore` over HTTP on ``host:port`` from a daemon thread."""
+    """Serve a :class:`LeaseTable` over HTTP on ``host:port`` from a daemon thread."""
 
-    def __init__(self, store: RetainedStore, host: str, port: int):
-        self.store = store
-        handler = _make_handler(store)
+    def __init__(self, leases: LeaseTable, host: str, port: int, secret: str | None = None):
+        self.leases = leases
+        handler = _make_handler(leases, secret.encode() if secret else None)
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
@@ -50,29 +79,108 @@ class ControlServer:
         self._httpd.server_close()
 
 
-def _make_handler(store: RetainedStore) -> type[BaseHTTPRequestHandler]:
+def _make_handler(leases: LeaseTable, secret: bytes | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
-            url = urlsplit(self.path)
-            parts = [unquote(p) for p in url.path.strip("/").split("/")]
+            parts, query = self._route()
             if parts == ["kvturn", "health"]:
-                self._send(200, {"ok": True, "retained": len(store)})
+                self._send(200, {"ok": True})
+            elif not self._authorized():
+                return
+            elif parts == ["kvturn", "leases"]:
+                self._send(200, leases.stats())
             elif len(parts) == 3 and parts[:2] == ["kvturn", "retained"]:
-                query = parse_qs(url.query)
                 try:
                     wait_s = min(float(query.get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
                 except ValueError:
                     self._send(400, {"error": "wait_ms must be a number"})
                     return
-                params = store.get(parts[2], wait_s=max(wait_s, 0.0))
-                if params is None:
-                    self._send(404, {"error": "no retained KV for that request"})
-                else:
-                    self._send(200, params)
+                lease = leases.get(parts[2], wait_s=max(wait_s, 0.0))
+                self._answer(parts[2], lease)
             else:
                 self._send(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            parts, _ = self._route()
+            body = self._body()
+            if body is None or not self._authorized():
+                return
+            if len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "claim":
+                self._answer(parts[2], leases.claim(parts[2]))
+            elif len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "renew":
+                try:
+                    lease_s = float(body.get("lease_s", 0))
+                    kind = body.get("pause_kind")
+                    paused_ms = body.get("paused_ms")
+                    paused_s = None if paused_ms is None else float(paused_ms) / 1000
+                except (TypeError, ValueError):
+                    self._send(400, {"error": "lease_s and paused_ms must be numbers"})
+                    return
+                lease = leases.renew(
+                    parts[2], lease_s, kind if isinstance(kind, str) else None, paused_s
+                )
+                if lease is None:
+                    self._answer(parts[2], None)
+                else:
+                    now = leases.clock()
+                    self._send(200, {"expires_in_s": round(lease.expires_at - now, 3)})
+            else:
+                self._send(404, {"error": "not found"})
+
+        def do_DELETE(self) -> None:
+            parts, query = self._route()
+            if self._body() is None or not self._authorized():
+                return
+            if len(parts) == 3 and parts[:2] == ["kvturn", "leases"]:
+                claimed = query.get("claimed", ["0"])[0] in ("1", "true")
+                self._send(200, {"released": leases.release(parts[2], end_claim=claimed)})
+            else:
+                self._send(404, {"error": "not found"})
+
+        # ---- helpers ----
+
+        def _route(self) -> tuple[list[str], dict[str, list[str]]]:
+            url = urlsplit(self.path)
+            return [unquote(p) for p in url.path.strip("/").split("/")], parse_qs(url.query)
+
+        def _authorized(self) -> bool:
+            if secret is None:
+                return True
+            given = self.headers.get("Authorization", "")
+            if given.startswith("Bearer ") and hmac.compare_digest(
+                given[len("Bearer ") :].encode(), secret
+            ):
+                return True
+            self._send(401, {"error": "the kvturn control channel needs the shared secret"})
+            return False
+
+        def _body(self) -> dict[str, Any] | None:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0 or length > _MAX_BODY:
+                self._send(400, {"error": "bad Content-Length"})
+                return None
+            raw = self.rfile.read(length) if length else b""
+            if not raw:
+                return {}
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                self._send(400, {"error": "the body must be a JSON object"})
+                return None
+            return body
+
+        def _answer(self, key: str, lease: Lease | None) -> None:
+            if lease is None:
+                self._send(404, {"error": "no live lease", "reason": leases.gone_reason(key)})
+            else:
+                self._send(200, lease_answer(lease, leases.clock()))
 
         def _send(self, status: int, body: object) -> None:
             data = json.dumps(body).encode()

@@ -7,10 +7,25 @@ Load it into a vLLM engine with::
 
 It overrides only what kvturn needs, on the scheduler side:
 
-* **Decode** (``request_finished_all_groups``): when NIXL retains a finished request's blocks
-  (bidirectional mode), add chained digests of the token ids those blocks hold, and publish the
-  params on the kvturn control server (``kvturn_control_port`` in ``kv_connector_extra_config``)
-  so the gateway learns them even for streamed responses, which carry none in vLLM 0.32.
+* **Decode leases** (``request_finished_all_groups``, ``build_connector_meta``): NixlConnector
+  in bidirectional mode keeps every finished decode request's blocks for a fixed TTL
+  (``decoder_kv_blocks_ttl``), read once or freed when it lapses. kvturn turns that into a
+  lease per conversation (:mod:`.leases`): the gateway names the conversation and the lease in
+  the request's ``kv_transfer_params`` (``kvturn_conversation``, ``kvturn_lease_s``); a request
+  the gateway marks as having no conversation is not retained at all; heartbeats renew a lease,
+  a release or memory pressure frees it now, a newer turn supersedes it. Each change reaches
+  NIXL's worker as a new deadline for the request in ``reqs_to_send`` (the worker rebases it
+  onto its clock and frees the blocks when it passes): the upstream reaping path, only steered.
+  ``decoder_kv_blocks_ttl`` is the longest lease. Requests that carry no ``kvturn_conversation``
+  key at all (another proxy drives the engine) keep upstream's fixed TTL. Each retained turn's
+  params get chained digests of the token ids its blocks hold, and are served on the kvturn
+  control server (``kvturn_control_port`` in ``kv_connector_extra_config``), so the gateway
+  learns them even for streamed responses, which carry none in vLLM 0.32.
+* **Memory pressure** (decode): the connector counts the blocks running requests and leases
+  hold (:mod:`.block_usage`); when free blocks would fall below
+  ``kvturn_free_blocks_watermark`` (a fraction of the cache) or a waiting request cannot get its
+  blocks, leases are reclaimed in order of expected return, so retention never keeps a request
+  waiting.
 * **Prefill** (``get_num_new_matched_tokens``): before pulling a decode's KV, compare those
   digests with the new prompt's exact token ids and trim the pull to the common prefix, or drop
   it. vLLM itself does not check that the pulled KV belongs to this prompt.
@@ -23,6 +38,7 @@ main thread; and it paces the idle engine loop that polls retained blocks
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -31,10 +47,11 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
 
+from kvturn.connector.block_usage import BlockUsage
 from kvturn.connector.control_server import ControlServer
 from kvturn.connector.engine_pacing import cap_worker_spin_window
+from kvturn.connector.leases import LeaseTable, publication_key
 from kvturn.connector.nixl_progress import DEFAULT_PROGRESS_DELAY_US, raise_progress_thread_delay
-from kvturn.connector.retained_store import RetainedStore
 from kvturn.kv_params import (
     DIGEST_CHUNK_TOKENS,
     PREFIX_DIGESTS_KEY,
@@ -45,6 +62,7 @@ from kvturn.kv_params import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -54,6 +72,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvturn.connector")
 
 _CHECKED_KEY = "_kvturn_prefix_checked"
+#: ``kv_transfer_params`` keys the gateway sets on a decode request.
+CONVERSATION_KEY = "kvturn_conversation"
+LEASE_KEY = "kvturn_lease_s"
+PAUSE_KEY = "kvturn_pause"
+#: The environment variable that holds the control channel's shared secret.
+SECRET_ENV = "KVTURN_CONTROL_SECRET"
 
 
 class KvturnConnector(NixlConnector):
@@ -79,12 +103,29 @@ class KvturnConnector(NixlConnector):
         if role == KVConnectorRole.WORKER:
             cap_worker_spin_window(float(extra.get("kvturn_worker_spin_ms", 2)) / 1000)
         self._block_size = vllm_config.cache_config.block_size
-        self._retained = RetainedStore()
+        self._ttl_s = float(extra.get("decoder_kv_blocks_ttl", 480))
+        # NIXL stamps retained blocks' deadlines with perf_counter in this process: so do we.
+        self.leases = LeaseTable(
+            time.perf_counter,
+            max_lease_s=self._ttl_s,
+            claim_s=float(extra.get("kvturn_claim_s", 30)),
+        )
+        self._usage = BlockUsage(kv_cache_config.num_blocks)
+        self._watermark_blocks = int(
+            float(extra.get("kvturn_free_blocks_watermark", 0.05)) * kv_cache_config.num_blocks
+        )
+        # Decode requests that finished without a conversation: blocks freed, not retained.
+        self._not_retained: set[str] = set()
+        # Waiting decode requests asked for their blocks this step: request id -> blocks.
+        self._asked: dict[str, int] = {}
         self._control: ControlServer | None = None
         port = extra.get("kvturn_control_port")
         if role == KVConnectorRole.SCHEDULER and port is not None:
             host = str(extra.get("kvturn_control_host", "127.0.0.1"))
-            self._control = ControlServer(self._retained, host, int(port)).start()
+            secret = os.environ.get(SECRET_ENV) or None
+            if secret is None:
+                logger.warning("kvturn: %s is not set: the control channel is open", SECRET_ENV)
+            self._control = ControlServer(self.leases, host, int(port), secret).start()
 
     # ---- scheduler side: prefill -----------------------------------------------------------
 
@@ -95,7 +136,18 @@ class KvturnConnector(NixlConnector):
         if params and params.get("do_remote_decode") and not params.get(_CHECKED_KEY):
             params[_CHECKED_KEY] = True
             self._trim_to_verified_prefix(request, params)
+        if params and params.get("do_remote_prefill"):
+            # A decode request about to get its blocks: if it does not, it waits for memory.
+            self._asked[request.request_id] = -(-request.num_tokens // self._block_size)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._asked.pop(request.request_id, None)
+        if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
+            self._usage.set_blocks(request.request_id, blocks.get_block_ids())
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def _trim_to_verified_prefix(self, request: Request, params: dict[str, Any]) -> None:
         """Limit a pull from decode to the tokens this prompt provably shares with it."""
@@ -134,6 +186,7 @@ class KvturnConnector(NixlConnector):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
+        self._steer_retention(meta, scheduler_output)
         # While finished requests' blocks wait to be read (or to expire), the engine core steps
         # in a busy loop to poll the connector, burning a core on an otherwise idle engine.
         # An empty step means nothing is running: pace those steps instead.
@@ -147,25 +200,96 @@ class KvturnConnector(NixlConnector):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         delay_free, params = super().request_finished_all_groups(request, block_ids)
-        if delay_free and params and params.get("do_remote_decode"):
-            held = int(params.get("remote_num_tokens") or 0)
-            tokens = list(request.all_token_ids)[:held]
-            params[PREFIX_DIGESTS_KEY] = prefix_digests(tokens, DIGEST_CHUNK_TOKENS)
-            params["remote_block_ids"] = [list(g) for g in params["remote_block_ids"]]
-            ttl = float(self.connector_scheduler.decoder_kv_blocks_ttl)  # type: ignore[union-attr]
-            self._retained.publish(request.request_id, dict(params), ttl_s=ttl)
+        self._usage.drop(request.request_id)
+        if not (delay_free and params and params.get("do_remote_decode")):
+            return delay_free, params
+        sent = request.kv_transfer_params or {}
+        if CONVERSATION_KEY in sent and not sent[CONVERSATION_KEY]:
+            # The gateway says no turn will come back for this KV: free it now. NIXL's worker
+            # still expects the request; build_connector_meta tells it not to wait.
+            self._not_retained.add(request.request_id)
+            self.leases.counters.not_retained += 1
+            return False, None
+        held = int(params.get("remote_num_tokens") or 0)
+        tokens = list(request.all_token_ids)[:held]
+        params[PREFIX_DIGESTS_KEY] = prefix_digests(tokens, DIGEST_CHUNK_TOKENS)
+        params["remote_block_ids"] = [list(g) for g in params["remote_block_ids"]]
+        key = publication_key(request.request_id)
+        pause = sent.get(PAUSE_KEY)
+        if isinstance(pause, list) and len(pause) == 2:
+            with contextlib.suppress(TypeError, ValueError):
+                self.leases.observe_pause(str(pause[0]), float(pause[1]) / 1000)
+        try:
+            lease_s = float(sent.get(LEASE_KEY) or self._ttl_s)
+        except (TypeError, ValueError):
+            lease_s = self._ttl_s
+        self.leases.retain(
+            request.request_id,
+            key,
+            str(sent.get(CONVERSATION_KEY) or f"request:{key}"),
+            dict(params),
+            params["remote_block_ids"],
+            lease_s,
+        )
+        self._usage.set_blocks(_lease_owner(request.request_id), params["remote_block_ids"])
         return delay_free, params
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
-        # Retained blocks are single-use: once a prefill has read them (or they expired) they
-        # are freed, so stop advertising them; the gateway then recomputes instead of sending
-        # a pull that decode would decline.
+        # Retained blocks are single-use: once a prefill has read them (or their lease ended)
+        # NIXL frees them; the lease is over.
         for request_id in connector_output.finished_sending or ():
-            self._retained.discard(request_id)
+            if self.leases.finished(request_id) is not None:
+                self._usage.drop(_lease_owner(request_id))
+
+    def _steer_retention(self, meta: Any, scheduler_output: SchedulerOutput) -> None:
+        """Hand NIXL's worker the lease deadlines that changed since the last step, and
+        reclaim leases when decode runs short of blocks."""
+        if self._control is None:
+            return
+        self._track_usage(scheduler_output)
+        waiting = sum(self._asked.values())
+        self._asked.clear()
+        short = self._watermark_blocks + waiting - self._usage.free()
+        if short > 0:
+            short -= self.leases.ending_blocks()
+        if short > 0:
+            taken = self.leases.reclaim(short)
+            if taken:
+                logger.info(
+                    "kvturn: %d free blocks, %d wanted: reclaimed %d lease(s) (%s)",
+                    self._usage.free(),
+                    waiting,
+                    len(taken),
+                    ", ".join(f"{lease.conversation}:{lease.pause_kind}" for lease in taken),
+                )
+        for request_id in self._not_retained:
+            meta.reqs_to_send.pop(request_id, None)
+            meta.reqs_not_processed.add(request_id)
+        self._not_retained.clear()
+        for request_id, deadline in self.leases.take_deadlines().items():
+            meta.reqs_to_send[request_id] = deadline
+
+    def _track_usage(self, scheduler_output: SchedulerOutput) -> None:
+        usage = self._usage
+        for new in scheduler_output.scheduled_new_reqs:
+            usage.set_blocks(new.req_id, new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for request_id, new_blocks in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            if new_blocks is None:
+                continue
+            if request_id in cached.resumed_req_ids:
+                usage.set_blocks(request_id, new_blocks)
+            else:
+                usage.add_blocks(request_id, new_blocks)
+        usage.drop_all(scheduler_output.preempted_req_ids or ())
 
     def shutdown(self) -> None:
         if self._control is not None:
             self._control.stop()
             self._control = None
         super().shutdown()
+
+
+def _lease_owner(request_id: str) -> str:
+    return f"lease:{request_id}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -147,6 +148,7 @@ def create_app(config: GatewayConfig) -> GatewayApp:
 
     async def metrics(request: Request) -> Response:
         gateway.metrics.live_conversations.set(gateway.store.live_count())
+        await _scrape_decode_leases(gateway)
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def heartbeat(request: Request) -> Response:
@@ -164,14 +166,25 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         if conversation is None:
             answer = control.HeartbeatResponse(conversation_id=conversation_id, known=False)
         else:
-            remaining = gateway.store.renew(conversation, config.lease_s)
+            expires_in_s = None
+            holder = gateway.decode.get(conversation.holder_url)
+            key = conversation.holder_request_id
+            if holder is not None and holder.control_url is not None and key:
+                # The lease lives on the holder decode: renew it there.
+                expires_in_s = await gateway.runner.leases.renew(
+                    holder.control_url, key, config.lease_s, beat.pause_kind, beat.paused_ms
+                )
+                if expires_in_s is None:
+                    gateway.metrics.lease_renewals_by["gone"].inc()
+                else:
+                    gateway.metrics.lease_renewals_by["renewed"].inc()
+            remaining = gateway.store.renewed(conversation, expires_in_s)
             answer = control.HeartbeatResponse(
                 conversation_id=conversation_id,
                 known=True,
                 lease_remaining_s=round(remaining, 3),
                 next_heartbeat_s=config.lease_s / 2,
             )
-        del beat
         return Response(answer.model_dump_json(), media_type="application/json")
 
     async def release(request: Request) -> Response:
@@ -180,9 +193,15 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             _check_conversation_id(conversation_id)
         except GatewayError as error:
             return _error(error)
-        released = gateway.store.remove(conversation_id) is not None
-        if released:
+        conversation = gateway.store.remove(conversation_id)
+        released = conversation is not None
+        if conversation is not None:
             gateway.metrics.releases.inc()
+            holder = gateway.decode.get(conversation.holder_url)
+            key = conversation.holder_request_id
+            if holder is not None and holder.control_url is not None and key:
+                # Free the blocks on the holder now, not when a lease would lapse.
+                await gateway.runner.leases.release(holder.control_url, key)
         answer = control.ReleaseResponse(conversation_id=conversation_id, released=released)
         return Response(answer.model_dump_json(), media_type="application/json")
 
@@ -247,11 +266,11 @@ async def serve_turn(
         # request before any work, with vLLM's own error, which the client gets unchanged.
         body = _parse_body(raw_body)
         conversation_id = _conversation_id(headers.get(h.CONVERSATION_ID), body)
-        _record_pause(gateway, headers)
+        pause = _record_pause(gateway, headers)
         turn_id = headers.get(h.TURN_ID)
         if turn_id is not None and len(turn_id) > 128:
             raise InvalidRequest("turn id is longer than 128 characters")
-        return await gateway.runner.run(Turn(path, body, conversation_id, turn_id))
+        return await gateway.runner.run(Turn(path, body, conversation_id, turn_id, pause=pause))
     except GatewayError as error:
         if error.status >= 500:
             logger.warning("turn failed: %s", error.message)
@@ -311,15 +330,37 @@ def _check_conversation_id(value: str) -> None:
         )
 
 
-def _record_pause(gateway: Gateway, headers: dict[str, str]) -> None:
+async def _scrape_decode_leases(gateway: Gateway) -> None:
+    """Each decode connector's lease counts, as metrics of the gateway (they are the truth)."""
+    metrics = gateway.metrics
+    for instance in gateway.decode.instances:
+        if instance.control_url is None:
+            continue
+        stats = await gateway.runner.leases.stats(instance.control_url)
+        if stats is None:
+            continue
+        metrics.decode_leases.labels(instance.url).set(stats.get("leases", 0))
+        metrics.decode_lease_blocks.labels(instance.url).set(stats.get("blocks_held", 0))
+        for event in ("retained", "not_retained", "renewed", "claimed"):
+            metrics.decode_lease_events.labels(instance.url, event).set(stats.get(event, 0))
+        for reason, count in (stats.get("ended") or {}).items():
+            metrics.decode_lease_events.labels(instance.url, f"ended_{reason}").set(count)
+
+
+def _record_pause(gateway: Gateway, headers: dict[str, str]) -> tuple[str, float] | None:
+    """The pause the client reports before this turn, if it is a sane one: (kind, ms)."""
     pause_ms = headers.get(h.PAUSE_MS)
     kind = headers.get(h.PAUSE_KIND)
     if pause_ms is None or kind not in ("tool", "user"):
-        return
+        return None
     try:
-        gateway.metrics.pauses_by[kind].observe(float(pause_ms) / 1000)
+        ms = float(pause_ms)
     except ValueError:
-        return
+        return None
+    if not math.isfinite(ms) or ms < 0:
+        return None  # nan or inf would poison the histogram (and the decode's pause model)
+    gateway.metrics.pauses_by[kind].observe(ms / 1000)
+    return kind, ms
 
 
 async def _method_not_allowed(request: Request) -> Response:

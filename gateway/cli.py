@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 from types import FrameType
 
-from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.config import CONTROL_SECRET_ENV, GatewayConfig, endpoints
 from kvturn.gateway.engines import (
     Deployment,
     EngineError,
@@ -73,6 +74,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     deployment: Deployment | None = None
     gateway = None
+    # The decode engines' control channel (lease renew/release/claim) answers only to holders
+    # of this secret: generated here unless the operator set one; engines and gateway inherit it.
+    os.environ.setdefault(CONTROL_SECRET_ENV, secrets.token_urlsafe(32))
     try:
         print(
             f"kvturn: starting {args.prefill} prefill + {args.decode} decode engine(s) "
@@ -104,11 +108,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             ],
             "pids": [e.pid for e in deployment.engines],
             "launcher_pid": os.getpid(),
+            "control_secret": os.environ[CONTROL_SECRET_ENV],
         }
         for engine in deployment.engines:
             print(f"kvturn: {engine.spec.role:8s} {engine.spec.url}", flush=True)
         if args.state_file:
             tmp = Path(args.state_file + ".tmp")
+            tmp.touch(mode=0o600)  # it holds the control secret
             tmp.write_text(json.dumps(state, indent=2))
             tmp.rename(args.state_file)
         if gateway is not None:
@@ -191,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
     up.add_argument("--decode", type=int, default=1, help="number of decode engines")
     up.add_argument("--base-port", type=int, default=8100, help="first engine port")
-    up.add_argument("--kv-ttl", type=int, default=480, help="decode KV retention, seconds")
+    up.add_argument("--kv-ttl", type=int, default=480, help="longest decode lease, seconds")
     up.add_argument("--recompute-threshold", type=int, default=64, help="min tokens to pull")
     up.add_argument(
         "--prefill-prefix-cache",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+#: The shared secret of the engines' kvturn control channel (the connector reads the same name).
+CONTROL_SECRET_ENV = "KVTURN_CONTROL_SECRET"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     #: How long to wait, after a decode reply ends, for its connector to publish the retained KV.
     publish_wait_s: float = 0.5
+    #: The secret decode engines' kvturn control servers require (``KVTURN_CONTROL_SECRET``).
+    control_secret: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:
@@ -54,6 +59,9 @@ class GatewayConfig:
             if urls:
                 controls = os.environ.get(f"KVTURN_{role.upper()}_CONTROL_URLS", "")
                 env[role] = endpoints(urls.split(","), [c for c in controls.split(",") if c])
+        secret = os.environ.get(CONTROL_SECRET_ENV)
+        if secret:
+            env["control_secret"] = secret
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
 

@@ -23,9 +23,8 @@ class Conversation:
     holder_request_id: str | None = None
     #: Tokens whose KV the holder retains (prompt and generated).
     held_tokens: int = 0
-    #: When the holder frees the blocks (gateway clock).
-    kv_expires_at: float = 0.0
-    #: When the conversation's lease lapses unless a turn or heartbeat renews it.
+    #: When the holder's lease on the blocks lapses unless a turn or heartbeat renews it
+    #: (gateway clock; the holder's connector is the truth, this is its last answer).
     lease_expires_at: float = 0.0
     turns: int = 0
     #: The client's id of the last turn (``X-Kvturn-Turn-Id``): a repeat is an SDK retry.
@@ -37,11 +36,7 @@ class Conversation:
     settling: asyncio.Event | None = field(default=None, repr=False)
 
     def has_live_kv(self, now: float, margin_s: float) -> bool:
-        return (
-            self.holder_url is not None
-            and now < self.lease_expires_at
-            and now + margin_s < self.kv_expires_at
-        )
+        return self.holder_url is not None and now + margin_s < self.lease_expires_at
 
 
 class ConversationStore:
@@ -76,16 +71,14 @@ class ConversationStore:
         holder_url: str,
         request_id: str,
         held_tokens: int,
-        kv_expires_in_s: float,
-        lease_s: float,
+        lease_expires_in_s: float,
     ) -> None:
-        """The holder decode now retains ``held_tokens`` of this conversation's KV."""
+        """The holder decode now leases ``held_tokens`` of this conversation's KV."""
         now = self.clock()
         conversation.holder_url = holder_url
         conversation.holder_request_id = request_id
         conversation.held_tokens = held_tokens
-        conversation.kv_expires_at = now + kv_expires_in_s
-        conversation.lease_expires_at = min(now + lease_s, conversation.kv_expires_at)
+        conversation.lease_expires_at = now + lease_expires_in_s
         conversation.last_seen = now
 
     def note_turn(self, conversation: Conversation, turn_id: str | None) -> bool:
@@ -100,22 +93,19 @@ class ConversationStore:
         conversation.holder_url = None
         conversation.holder_request_id = None
         conversation.held_tokens = 0
-        conversation.kv_expires_at = 0.0
         conversation.lease_expires_at = 0.0
 
-    def renew(self, conversation: Conversation, lease_s: float) -> float:
-        """Extend the lease by a heartbeat; returns the seconds it now has left.
-
-        The lease never outlives the blocks: the holder's retention is fixed until decode-side
-        renewable leases land, so renewing past it would promise KV that is gone.
-        """
+    def renewed(self, conversation: Conversation, expires_in_s: float | None) -> float:
+        """A heartbeat's renewal as the holder answered it (``None``: the holder has no lease
+        any more); returns the seconds the lease now has left."""
         now = self.clock()
         conversation.heartbeats += 1
         conversation.last_seen = now
-        if conversation.holder_url is None:
+        if expires_in_s is None:
+            self.forget_kv(conversation)
             return 0.0
-        conversation.lease_expires_at = min(now + lease_s, conversation.kv_expires_at)
-        return max(0.0, conversation.lease_expires_at - now)
+        conversation.lease_expires_at = now + expires_in_s
+        return max(0.0, expires_in_s)
 
     def live_count(self) -> int:
         now = self.clock()

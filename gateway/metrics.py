@@ -48,6 +48,24 @@ class GatewayMetrics:
             "kvturn_client_pause_seconds", "Pauses before turns reported by clients", ["kind"],
             buckets=_PAUSE_BUCKETS, registry=r,
         )  # fmt: skip
+        self.lease_renewals = Counter(
+            "kvturn_lease_renewals", "Heartbeats passed to the holder decode, by result",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.decode_leases = Gauge(
+            "kvturn_decode_leases", "Live leases on each decode (its connector's count)",
+            ["decode"], registry=r,
+        )  # fmt: skip
+        self.decode_lease_blocks = Gauge(
+            "kvturn_decode_lease_blocks", "KV blocks each decode holds under leases",
+            ["decode"], registry=r,
+        )  # fmt: skip
+        self.decode_lease_events = Gauge(
+            "kvturn_decode_lease_events",
+            "Lease events on each decode since it started: retained, not_retained, renewed, "
+            "claimed, and ended_<reason> (read, expired, released, reclaimed, superseded)",
+            ["decode", "event"], registry=r,
+        )  # fmt: skip
         self.upstream_errors = Counter(
             "kvturn_upstream_errors", "Engine requests that failed, by role", ["role"], registry=r
         )
@@ -60,6 +78,7 @@ class GatewayMetrics:
         self.prefill_seconds_by = _ByLabel(self.prefill_seconds)
         self.pauses_by = _ByLabel(self.pauses)
         self.upstream_errors_by = _ByLabel(self.upstream_errors)
+        self.lease_renewals_by = _ByLabel(self.lease_renewals)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.conversations import Conversation, ConversationStore
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
+from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import TurnPlan, plan_turn
 from kvturn.gateway.pools import Instance, Pool
@@ -37,6 +38,17 @@ from kvturn.gateway.upstream import (
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
 
 logger = logging.getLogger("kvturn.gateway")
+
+#: ``kv_transfer_params`` keys decode's kvturn connector reads (see ``kvturn.connector.nixl``).
+CONVERSATION_PARAM = "kvturn_conversation"
+LEASE_PARAM = "kvturn_lease_s"
+PAUSE_PARAM = "kvturn_pause"
+#: Why the holder had no lease to claim → the turn's fallback reason.
+_GONE_REASONS = {
+    "expired": "lease-expired",
+    "reclaimed": "lease-reclaimed",
+    "holder-unreachable": "holder-unhealthy",
+}
 
 #: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
 RECOMPUTE_PARAMS = PREFILL_FOR_REMOTE_DECODE
@@ -58,6 +70,8 @@ class Turn:
     #: The client's turn id (``X-Kvturn-Turn-Id``), the same on every retry of one turn.
     turn_id: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    #: The pause the client reported before this turn: (kind, milliseconds).
+    pause: tuple[str, float] | None = None
 
     @property
     def stream(self) -> bool:
@@ -91,6 +105,7 @@ class TurnRunner:
         self.upstream = upstream
         self.store = store
         self.metrics = metrics
+        self.leases = LeaseClient(upstream, config.control_secret)
         self._background: set[asyncio.Task[None]] = set()
 
     async def run(self, turn: Turn) -> Reply:
@@ -150,17 +165,29 @@ class TurnRunner:
     ) -> PrefillResult | Reply:
         plan = forced or self._plan(conversation)
         params = RECOMPUTE_PARAMS
-        if plan.reuses and conversation is not None:
-            # Decode frees retained blocks after one read: claim them for this turn before any
-            # await, so a parallel turn of the same conversation recomputes instead of reading
-            # blocks that may already hold something else (prefill cannot tell).
-            holder_url, request_id = conversation.holder_url, conversation.holder_request_id
+        # The lease this turn holds on its conversation's previous KV, if any: (holder, key).
+        claimed: tuple[Instance, str] | None = None
+        if conversation is not None and conversation.holder_url is not None:
+            # Decode frees retained blocks after one read: take them off the table for this
+            # turn before any await, so a parallel turn of the same conversation recomputes
+            # instead of reading blocks that may already hold something else.
+            holder = self.decode.get(conversation.holder_url)
+            key = conversation.holder_request_id
             self.store.forget_kv(conversation)
-            retained = await self._fetch_retained(holder_url, request_id)
-            if retained is None:
-                plan = TurnPlan("recompute", "kv-gone")
-            else:
-                params = retained
+            if holder is not None and holder.control_url is not None and key:
+                if plan.reuses:
+                    outcome = await self.leases.claim(holder.control_url, key)
+                    if outcome.params is None or not self._usable(outcome.params):
+                        plan = TurnPlan("recompute", _GONE_REASONS.get(outcome.reason, "kv-gone"))
+                        if outcome.params is not None:
+                            self._release_later(holder, key, claimed=True)
+                    else:
+                        params = outcome.params
+                        params["remote_host"] = holder.host
+                        claimed = (holder, key)
+                else:
+                    # This turn recomputes: the old lease can never be read again.
+                    self._release_later(holder, key)
         if not plan.reuses:
             self.metrics.fallbacks_by[plan.reason].inc()
 
@@ -193,6 +220,10 @@ class TurnRunner:
             if params is not RECOMPUTE_PARAMS:
                 # vLLM answers a declined or failed pull with an error: retry as plain recompute.
                 logger.warning("prefill with reuse failed (%s); recomputing", _status(response))
+                if claimed is not None and response is not None:
+                    # Prefill answered: its read is over, whatever became of it.
+                    self._release_later(*claimed, claimed=True)
+                claimed = None
                 params, plan = RECOMPUTE_PARAMS, TurnPlan("recompute", "pull-failed")
                 self.metrics.fallbacks_by[plan.reason].inc()
                 body = _prefill_body(turn.body, params)
@@ -211,6 +242,9 @@ class TurnRunner:
         if plan.reuses and reused == 0:
             plan = TurnPlan("recompute", "no-common-prefix")
             self.metrics.fallbacks_by[plan.reason].inc()
+            if claimed is not None:
+                # Nothing was read (the prompt shares no verified prefix): free it now.
+                self._release_later(*claimed, claimed=True)
         decode_params = dict(data.get("kv_transfer_params") or {})
         if not decode_params:
             raise UpstreamError("prefill returned no kv_transfer_params (is it a kvturn engine?)")
@@ -227,25 +261,20 @@ class TurnRunner:
             threshold_tokens=self.config.reuse_threshold_tokens,
         )
 
-    async def _fetch_retained(
-        self, holder_url: str | None, request_id: str | None
-    ) -> dict[str, Any] | None:
-        """The retained-KV params the holder published, if still live (outside the margin)."""
-        holder = self.decode.get(holder_url)
-        if holder is None or holder.control_url is None or not request_id:
-            return None
-        url = f"{holder.control_url}/kvturn/retained/{request_id}"
-        try:
-            response = await self.upstream.get(url, timeout_s=2.0)
-        except UpstreamUnavailable:
-            return None
-        if response.status != 200:
-            return None
-        params = response.json()
-        if float(params.pop("expires_in_s", 0)) <= self.config.expiry_margin_s:
-            return None
-        params["remote_host"] = holder.host
-        return params
+    def _usable(self, params: dict[str, Any]) -> bool:
+        """Whether a claimed lease still runs long enough for the pull to land."""
+        return float(params.pop("expires_in_s", 0)) > self.config.expiry_margin_s
+
+    def _release_later(self, holder: Instance, key: str, *, claimed: bool = False) -> None:
+        """Free a lease nobody will read, off the response path."""
+        if holder.control_url is None:
+            return
+        self._background_task(self.leases.release(holder.control_url, key, claimed=claimed))
+
+    def _background_task(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- decode -----------------------------------------------------------------------------
 
@@ -255,7 +284,14 @@ class TurnRunner:
         instance = self.decode.choose(prefer=conversation.holder_url if conversation else None)
         request_id = f"kvturn-{_RUN_ID}-{next(_REQUEST_SEQ)}"
         body = dict(turn.body)
-        body["kv_transfer_params"] = prefilled.params
+        params = dict(prefilled.params)
+        # What decode's connector needs to lease the KV this turn leaves (or to free it at
+        # once: a turn without a conversation never comes back for it).
+        params[CONVERSATION_PARAM] = conversation.conversation_id if conversation else None
+        params[LEASE_PARAM] = self.config.lease_s
+        if turn.pause is not None:
+            params[PAUSE_PARAM] = list(turn.pause)
+        body["kv_transfer_params"] = params
         plan = prefilled.plan
         response_headers = {
             h.PLAN: plan.plan,
@@ -333,11 +369,7 @@ class TurnRunner:
         """Record where the conversation's KV now lives, off the response path."""
         if conversation is None:
             return
-        task = asyncio.get_running_loop().create_task(
-            self._settle(conversation, holder, request_id)
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background_task(self._settle(conversation, holder, request_id))
 
     async def _settle(
         self, conversation: Conversation, holder: Instance | None, request_id: str
@@ -346,16 +378,9 @@ class TurnRunner:
         try:
             retained = None
             if holder is not None and holder.control_url is not None:
-                wait_ms = int(self.config.publish_wait_s * 1000)
-                url = f"{holder.control_url}/kvturn/retained/{request_id}?wait_ms={wait_ms}"
-                try:
-                    response = await self.upstream.get(
-                        url, timeout_s=self.config.publish_wait_s + 2
-                    )
-                    if response.status == 200:
-                        retained = response.json()
-                except UpstreamUnavailable:
-                    retained = None
+                retained = await self.leases.published(
+                    holder.control_url, request_id, self.config.publish_wait_s
+                )
             if retained is None or holder is None:
                 self.store.forget_kv(conversation)
             else:
@@ -364,15 +389,13 @@ class TurnRunner:
                     holder.url,
                     request_id,
                     held_tokens=int(retained.get("remote_num_tokens") or 0),
-                    kv_expires_in_s=float(retained.get("expires_in_s") or 0),
-                    lease_s=self.config.lease_s,
+                    lease_expires_in_s=float(retained.get("expires_in_s") or 0),
                 )
         finally:
             if event is not None:
                 event.set()
             if conversation.settling is event:
                 conversation.settling = None
-            self.metrics.live_conversations.set(self.store.live_count())
 
 
 #: The event a streamed reply ends with when decode's stream breaks off mid-way.

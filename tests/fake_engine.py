@@ -89,6 +89,9 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         found = _RETAINED.get(path.rsplit("/", 1)[1])
         await _send_json(send, 200 if found else 404, found or {"error": "none"})
         return
+    if path.startswith("/kvturn/leases"):
+        await _lease_route(scope, path, receive, send)
+        return
     if scope["method"] != "POST":
         await _send_json(send, 404, {"error": "not found"})
         return
@@ -139,6 +142,30 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                     "more_body": True})  # fmt: skip
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None:
+    """The connector's lease routes, as far as the gateway's unit tests need them: a claim
+    takes the lease (a read frees it), a renew extends it, a DELETE frees it."""
+    parts = path.strip("/").split("/")
+    method = scope["method"]
+    if len(parts) == 2:
+        await _send_json(send, 200, {"leases": len(_RETAINED), "blocks_held": 0, "ended": {}})
+        return
+    key = parts[2]
+    if method == "DELETE":
+        await _send_json(send, 200, {"released": _RETAINED.pop(key, None) is not None})
+        return
+    found = _RETAINED.get(key)
+    if found is None:
+        await _send_json(send, 404, {"error": "no live lease", "reason": "unknown"})
+    elif parts[-1] == "claim":
+        _COUNTS["claims"] = _COUNTS.get("claims", 0) + 1
+        await _send_json(send, 200, _RETAINED.pop(key))
+    else:
+        lease_s = float(json.loads(await _read(receive) or b"{}").get("lease_s", 0))
+        found["expires_in_s"] = max(found["expires_in_s"], lease_s)
+        await _send_json(send, 200, {"expires_in_s": lease_s})
 
 
 async def _slow_stream(

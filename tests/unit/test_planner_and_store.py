@@ -29,29 +29,33 @@ def test_plan_follows_the_conversation_lifecycle() -> None:
     )
     conversation = store.get_or_create("c")
     assert _plan(store, "c") == "first-turn"
-    store.record_retained(conversation, "http://d", "r1", 5000, kv_expires_in_s=100, lease_s=30)
+    store.record_retained(conversation, "http://d", "r1", 5000, lease_expires_in_s=30)
     assert _plan(store, "c") == "reuse"
     assert _plan(store, "c", healthy=False) == "holder-unhealthy"
     clock.now += 31
     assert _plan(store, "c") == "lease-expired"
 
 
-def test_lease_renewal_never_outlives_the_kv() -> None:
+def test_the_table_follows_the_holders_answers() -> None:
     clock = FakeClock()
     store = ConversationStore(10, clock=clock)
     conversation = store.get_or_create("c")
-    store.record_retained(conversation, "http://d", "r1", 5000, kv_expires_in_s=40, lease_s=30)
+    store.record_retained(conversation, "http://d", "r1", 5000, lease_expires_in_s=30)
     clock.now += 20
-    assert store.renew(conversation, lease_s=30) == 20  # capped by the KV's 40 s
-    clock.now += 16
+    # The holder renewed its lease by 30 s: the table takes its word.
+    assert store.renewed(conversation, 30.0) == 30.0
+    clock.now += 26
     # Inside the expiry margin the KV is not reused even though the lease is alive.
     assert _plan(store, "c") == "lease-expired"
+    # A holder that has no lease any more (expired, reclaimed): the KV is forgotten.
+    assert store.renewed(conversation, None) == 0.0
+    assert conversation.holder_url is None and _plan(store, "c") == "first-turn"
 
 
 def test_small_holdings_recompute() -> None:
     store = ConversationStore(10, clock=FakeClock())
     conversation = store.get_or_create("c")
-    store.record_retained(conversation, "http://d", "r1", 63, kv_expires_in_s=100, lease_s=30)
+    store.record_retained(conversation, "http://d", "r1", 63, lease_expires_in_s=30)
     assert _plan(store, "c") == "below-threshold"
 
 
@@ -63,7 +67,7 @@ def test_store_is_lru_bounded_and_entries_stay_small() -> None:
     conversation = store.get_or_create("x" * 128)
     store.record_retained(
         conversation, "http://127.0.0.1:18101", "kvturn-" + "f" * 32, 16000,
-        kv_expires_in_s=480, lease_s=60,
+        lease_expires_in_s=60,
     )  # fmt: skip
     # Metadata only: a long-history conversation is still a few hundred bytes.
     size = sys.getsizeof(conversation) + sum(

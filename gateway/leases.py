@@ -1,0 +1,96 @@
+"""The gateway's side of decode leases: the kvturn control channel of each decode engine.
+
+Every call carries the shared secret (``Authorization: Bearer``). A holder that cannot be
+reached or answers an error is treated as holding nothing: the turn recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+
+from kvturn.gateway.http1 import HttpError
+from kvturn.gateway.upstream import Upstream
+
+logger = logging.getLogger("kvturn.gateway")
+
+_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A claimed lease's params (``None`` when there is none) and why there is none."""
+
+    params: dict[str, Any] | None
+    reason: str = "claimed"
+
+
+class LeaseClient:
+    """Claim, renew and release leases on decode engines' control servers."""
+
+    def __init__(self, upstream: Upstream, secret: str | None):
+        self.upstream = upstream
+        self._headers = {"authorization": f"Bearer {secret}"} if secret else {}
+
+    async def published(self, control_url: str, key: str, wait_s: float) -> dict[str, Any] | None:
+        """The lease a finished turn left under ``key`` (waiting up to ``wait_s`` for it)."""
+        url = f"{control_url}/kvturn/retained/{quote(key)}?wait_ms={int(wait_s * 1000)}"
+        answer = await self._call("GET", url, timeout_s=wait_s + _TIMEOUT_S)
+        return answer[1] if answer is not None and answer[0] == 200 else None
+
+    async def claim(self, control_url: str, key: str) -> Claimed:
+        """Hold the lease for a prefill that is about to read it."""
+        answer = await self._call("POST", f"{control_url}/kvturn/leases/{quote(key)}/claim")
+        if answer is None:
+            return Claimed(None, "holder-unreachable")
+        status, body = answer
+        if status == 200:
+            return Claimed(body)
+        return Claimed(None, str(body.get("reason") or f"http-{status}"))
+
+    async def renew(
+        self, control_url: str, key: str, lease_s: float, pause_kind: str, paused_ms: int
+    ) -> float | None:
+        """Extend a live lease; the seconds it now has left, or ``None`` if it is gone."""
+        body = {"lease_s": lease_s, "pause_kind": pause_kind, "paused_ms": paused_ms}
+        answer = await self._call("POST", f"{control_url}/kvturn/leases/{quote(key)}/renew", body)
+        if answer is None or answer[0] != 200:
+            return None
+        return float(answer[1].get("expires_in_s") or 0.0)
+
+    async def release(self, control_url: str, key: str, *, claimed: bool = False) -> bool:
+        """Free the lease's blocks (``claimed``: this gateway's own claim is over)."""
+        suffix = "?claimed=1" if claimed else ""
+        answer = await self._call("DELETE", f"{control_url}/kvturn/leases/{quote(key)}{suffix}")
+        return answer is not None and answer[0] == 200 and bool(answer[1].get("released"))
+
+    async def stats(self, control_url: str) -> dict[str, Any] | None:
+        answer = await self._call("GET", f"{control_url}/kvturn/leases")
+        return answer[1] if answer is not None and answer[0] == 200 else None
+
+    async def _call(
+        self, method: str, url: str, body: Any = None, timeout_s: float = _TIMEOUT_S
+    ) -> tuple[int, dict[str, Any]] | None:
+        headers = dict(self._headers)
+        payload = None
+        if body is not None:
+            payload = orjson.dumps(body)
+            headers["content-type"] = "application/json"
+        try:
+            response = await self.upstream.client.request(
+                method, url, payload, headers, timeout_s=timeout_s
+            )
+        except HttpError as error:
+            logger.debug("lease call %s %s failed: %s", method, url, error)
+            return None
+        if response.status == 401:
+            logger.error("decode control channel refused the gateway's secret (%s)", url)
+        try:
+            data = orjson.loads(response.body) if response.body else {}
+        except orjson.JSONDecodeError:
+            data = {}
+        return response.status, data if isinstance(data, dict) else {}

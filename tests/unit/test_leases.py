@@ -1,0 +1,225 @@
+"""Decode-side leases without vLLM: the table, its ordering, the block count, the control
+channel (injected clocks, no sleeping on leases)."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvturn.connector.block_usage import BlockUsage
+from kvturn.connector.control_server import ControlServer
+from kvturn.connector.leases import LeaseTable, PauseModel, publication_key
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _table(clock: FakeClock, **kw: float) -> LeaseTable:
+    return LeaseTable(clock, max_lease_s=kw.pop("max_lease_s", 120.0), **kw)
+
+
+def _retain(table: LeaseTable, n: int, conversation: str, lease_s: float = 20.0, blocks: int = 4):
+    return table.retain(
+        f"chatcmpl-r{n}-0000abcd", f"r{n}", conversation, {"remote_num_tokens": 64,
+        "remote_blocks_expiry_time": 1.0}, [list(range(n * 10, n * 10 + blocks))], lease_s,
+    )  # fmt: skip
+
+
+def test_publication_key_strips_vllm_decorations() -> None:
+    assert publication_key("chatcmpl-kvturn-abc-1234abcd") == "kvturn-abc"
+    # vLLM 0.32 names a completion "cmpl-<X-Request-Id>-<prompt position>-<8 hex>".
+    assert publication_key("cmpl-req-9-0-deadbeef") == "req-9"
+    assert publication_key("cmpl-kvturn-ab12-7-0-0123abcd") == "kvturn-ab12-7"
+    assert publication_key("plain") == "plain"
+
+
+def test_a_lease_expires_unless_renewed_and_renewal_never_revives() -> None:
+    clock = FakeClock()
+    table = _table(clock)
+    _retain(table, 1, "a")
+    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 120.0}
+    clock.now += 15
+    renewed = table.renew("r1", 20.0, "tool", 15_000)
+    assert renewed is not None and renewed.expires_at == 135.0 and renewed.pause_kind == "tool"
+    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 135.0}
+    # A renewal never shortens a lease.
+    assert table.renew("r1", 1.0) is not None and table.take_deadlines() == {}
+    clock.now = 135.0
+    assert table.get("r1") is None and table.renew("r1", 20.0) is None
+    assert table.gone_reason("r1") == "expired"
+    # The engine frees it at its deadline; the table records why.
+    assert table.finished("chatcmpl-r1-0000abcd") == "expired"
+    assert table.stats()["ended"] == {"expired": 1} and len(table) == 0
+
+
+def test_lease_is_capped_by_what_the_engine_honours() -> None:
+    clock = FakeClock()
+    table = _table(clock, max_lease_s=30.0)
+    lease = _retain(table, 1, "a", lease_s=1e9)
+    assert lease.expires_at == 130.0
+    assert table.renew("r1", float("inf")) is not None
+    assert table.get("r1").expires_at == 130.0  # type: ignore[union-attr]
+
+
+def test_release_frees_now_and_a_newer_turn_supersedes() -> None:
+    clock = FakeClock()
+    table = _table(clock)
+    _retain(table, 1, "a")
+    _retain(table, 2, "a")  # the next turn of "a" on this decode
+    deadlines = table.take_deadlines()
+    assert deadlines["chatcmpl-r1-0000abcd"] < clock.now  # freed at once
+    assert deadlines["chatcmpl-r2-0000abcd"] == 120.0
+    assert table.finished("chatcmpl-r1-0000abcd") == "superseded"
+    assert table.release("r2") and not table.release("r2")
+    assert table.take_deadlines()["chatcmpl-r2-0000abcd"] < clock.now
+    assert table.finished("chatcmpl-r2-0000abcd") == "released"
+    assert table.gone_reason("r2") == "released" and table.gone_reason("r9") == "unknown"
+
+
+def test_a_claimed_lease_outlives_expiry_release_and_pressure_until_read() -> None:
+    clock = FakeClock()
+    table = _table(clock, claim_s=30.0)
+    _retain(table, 1, "a", lease_s=5.0)
+    table.take_deadlines()
+    clock.now += 4
+    claimed = table.claim("r1")
+    assert claimed is not None and claimed.expires_at == 134.0
+    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 134.0}
+    assert table.claim("r1") is None  # read once
+    # A release or memory pressure while a prefill reads waits for the read.
+    assert table.release("r1")
+    assert table.reclaim(100) == [] and table.take_deadlines() == {}
+    assert table.finished("chatcmpl-r1-0000abcd") == "released"
+
+
+def test_a_claim_that_ends_unread_is_freed_when_the_claimant_says_so_or_it_times_out() -> None:
+    clock = FakeClock()
+    table = _table(clock, claim_s=30.0)
+    _retain(table, 1, "a")
+    _retain(table, 2, "b")
+    table.take_deadlines()
+    table.claim("r1")
+    table.claim("r2")
+    assert table.release("r1", end_claim=True)
+    assert table.take_deadlines()["chatcmpl-r1-0000abcd"] < clock.now
+    assert table.release("r2")
+    assert table.take_deadlines() == {}
+    clock.now += 31
+    assert table.take_deadlines()["chatcmpl-r2-0000abcd"] < clock.now
+
+
+def test_pressure_reclaims_user_pauses_first_then_the_least_likely_to_return() -> None:
+    clock = FakeClock()
+    table = _table(clock)
+    _retain(table, 1, "tool-fresh")
+    _retain(table, 2, "user-fresh")
+    _retain(table, 3, "tool-long")
+    _retain(table, 4, "unknown")
+    for key, kind in (("r1", "tool"), ("r2", "user"), ("r3", "tool")):
+        table.renew(key, 20.0, kind, 0)
+    clock.now += 5
+    # "tool-long" has been paused 10 minutes: tools come back in seconds, so it is unlikely to.
+    table.renew("r3", 20.0, "tool", 600_000)
+    assert table.reclaim_order() == ["r2", "r4", "r3", "r1"]
+    taken = table.reclaim(6)  # 4 blocks each: two leases
+    assert [lease.key for lease in taken] == ["r2", "r4"]
+    assert table.ending_blocks() == 8
+    deadlines = table.take_deadlines()
+    assert {"chatcmpl-r2-0000abcd", "chatcmpl-r4-0000abcd"} <= set(deadlines)
+    assert table.finished("chatcmpl-r2-0000abcd") == "reclaimed"
+    assert table.gone_reason("r4") == "reclaimed"
+
+
+def test_pause_model_learns_each_kind() -> None:
+    model = PauseModel()
+    before = model.return_probability("tool", 5.0, 5.0)
+    for _ in range(200):
+        model.observe("tool", 8.0)
+    mu, sigma = model.params("tool")
+    assert abs(mu - 2.0794) < 0.3 and sigma < 0.6
+    # Learned: tools take ~8 s, so one paused 5 s is now likely back within 5 s.
+    assert model.return_probability("tool", 5.0, 5.0) > before
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        model.observe("tool", bad)
+    assert model.params("tool") == (mu, sigma)
+
+
+def test_get_waits_for_a_late_retain_and_not_for_a_known_end() -> None:
+    table = LeaseTable(time.monotonic, max_lease_s=60)
+    threading.Timer(0.05, _retain, args=(table, 1, "a")).start()
+    started = time.monotonic()
+    assert table.get("r1", wait_s=5.0) is not None
+    assert time.monotonic() - started < 2.5
+    table.release("r1")
+    table.finished("chatcmpl-r1-0000abcd")
+    started = time.monotonic()
+    assert table.get("r1", wait_s=5.0) is None
+    assert time.monotonic() - started < 2.5
+
+
+def test_block_usage_counts_shared_blocks_once() -> None:
+    usage = BlockUsage(num_blocks=101)  # block 0 is vLLM's null block
+    usage.set_blocks("req-a", [[1, 2, 3]])
+    usage.set_blocks("req-b", [[1, 2, 4]])  # shares a cached prefix with req-a
+    usage.add_blocks("req-a", [[5]])
+    assert usage.used() == 5 and usage.free() == 95
+    usage.set_blocks("lease:req-a", [[1, 2, 3, 5]])
+    usage.drop("req-a")
+    assert usage.used() == 5
+    usage.drop_all(["req-b", "lease:req-a", "missing"])
+    assert usage.used() == 0 and usage.free() == 100
+
+
+@pytest.fixture
+def control() -> tuple[LeaseTable, str]:
+    table = LeaseTable(time.monotonic, max_lease_s=60)
+    server = ControlServer(table, "127.0.0.1", 0, secret="s3cret").start()
+    yield table, f"http://127.0.0.1:{server.port}/kvturn"
+    server.stop()
+
+
+def test_control_channel_needs_the_secret(control: tuple[LeaseTable, str]) -> None:
+    table, base = control
+    _retain(table, 1, "a")
+    before = table.get("r1").expires_at  # type: ignore[union-attr]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        assert httpx.post(f"{base}/leases/r1/renew", json={"lease_s": 50}, headers=headers
+                          ).status_code == 401  # fmt: skip
+        assert httpx.delete(f"{base}/leases/r1", headers=headers).status_code == 401
+        assert httpx.post(f"{base}/leases/r1/claim", headers=headers).status_code == 401
+        assert httpx.get(f"{base}/retained/r1", headers=headers).status_code == 401
+    lease = table.get("r1")
+    assert lease is not None and lease.expires_at == before and lease.claimed_until == 0
+    assert httpx.get(f"{base}/health").json() == {"ok": True}
+
+
+def test_control_channel_routes(control: tuple[LeaseTable, str]) -> None:
+    table, base = control
+    auth = {"Authorization": "Bearer s3cret"}
+    _retain(table, 1, "a")
+    _retain(table, 2, "b")
+    got = httpx.get(f"{base}/retained/r1", headers=auth).json()
+    assert got["remote_num_tokens"] == 64 and 19 < got["expires_in_s"] <= 20
+    renewed = httpx.post(f"{base}/leases/r1/renew", headers=auth,
+                         json={"lease_s": 45, "pause_kind": "tool", "paused_ms": 100})  # fmt: skip
+    assert 44 < renewed.json()["expires_in_s"] <= 45
+    bad = httpx.post(f"{base}/leases/r1/renew", headers=auth, json={"lease_s": "x"})
+    assert bad.status_code == 400
+    claimed = httpx.post(f"{base}/leases/r1/claim", headers=auth).json()
+    # The prefill's own expiry check sees the lease's deadline, on this process's clock.
+    assert claimed["remote_blocks_expiry_time"] == table.get("r1").expires_at  # type: ignore[union-attr]
+    again = httpx.post(f"{base}/leases/r1/claim", headers=auth)
+    assert again.status_code == 404
+    released = httpx.delete(f"{base}/leases/r2", headers=auth).json()
+    assert released == {"released": True}
+    table.finished("chatcmpl-r2-0000abcd")
+    gone = httpx.post(f"{base}/leases/r2/claim", headers=auth)
+    assert gone.status_code == 404 and gone.json()["reason"] == "released"
+    stats = httpx.get(f"{base}/leases", headers=auth).json()
+    assert stats["retained"] == 2 and stats["ended"] == {"released": 1}
