@@ -18,6 +18,10 @@ per conversation:
   expected return (a user pause before a tool pause; within a kind, the one least likely to come
   back soon given how long it has been paused, under a per-kind lognormal learned online).
 
+A lease's blocks stay ``guard_s`` past the moment the table stops honouring it (no renewal, no
+claim): a renewal or claim granted just before the end reaches NIXL's worker (one engine step
+later) well before the blocks' old deadline, so a prefill never reads blocks the worker freed.
+
 The table never frees memory itself: :meth:`LeaseTable.take_deadlines` hands the connector the
 new deadline of every lease that changed (a past deadline frees the blocks at once), and
 :meth:`LeaseTable.finished` is told when the engine actually freed them. Times are this
@@ -155,6 +159,7 @@ class LeaseTable:
         max_lease_s: float,
         claim_s: float = 30.0,
         reclaim_horizon_s: float = 10.0,
+        guard_s: float = 2.0,
         pause_model: PauseModel | None = None,
         max_tombstones: int = 4096,
     ):
@@ -162,6 +167,7 @@ class LeaseTable:
         self.max_lease_s = max_lease_s
         self.claim_s = claim_s
         self.reclaim_horizon_s = reclaim_horizon_s
+        self.guard_s = guard_s
         self.pauses = pause_model or PauseModel()
         self.counters = LeaseCounters()
         self._by_request: dict[str, Lease] = {}
@@ -206,7 +212,7 @@ class LeaseTable:
             self._by_key[key] = lease
             self._by_conversation[conversation] = lease
             self._tombstones.pop(key, None)
-            self._deadlines[request_id] = lease.expires_at
+            self._deadlines[request_id] = lease.expires_at + self.guard_s
             self.counters.retained += 1
             self._lock.notify_all()
         return lease
@@ -287,7 +293,7 @@ class LeaseTable:
             expires_at = max(lease.expires_at, now + self._bounded(lease_s))
             if expires_at != lease.expires_at:
                 lease.expires_at = expires_at
-                self._deadlines[lease.request_id] = expires_at
+                self._deadlines[lease.request_id] = expires_at + self.guard_s
             lease.renewals += 1
             self.counters.renewed += 1
             return lease
@@ -304,7 +310,7 @@ class LeaseTable:
             lease.claimed_until = now + self.claim_s
             if lease.expires_at < lease.claimed_until:
                 lease.expires_at = lease.claimed_until
-                self._deadlines[lease.request_id] = lease.expires_at
+                self._deadlines[lease.request_id] = lease.expires_at + self.guard_s
             self.counters.claimed += 1
             return lease
 

@@ -25,8 +25,10 @@ class GatewayConfig:
     #: A conversation's lease: how long its KV stays reusable after a turn or heartbeat
     #: (never longer than the holder decode retains it).
     lease_s: float = 60.0
-    #: Never send params this close to the holder's expiry: the pull must land before it.
-    expiry_margin_s: float = 5.0
+    #: Do not try to claim a lease this close to its end (by the gateway's last word from the
+    #: holder): the claim would likely find it gone. A successful claim holds the lease on the
+    #: holder until prefill's read ends, so this only saves a round trip.
+    expiry_margin_s: float = 0.5
     #: Reuse only when at least this many tokens are held (below, recompute is as fast).
     reuse_threshold_tokens: int = 64
     #: Conversations remembered at once; the least recently used beyond this are dropped.

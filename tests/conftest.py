@@ -49,6 +49,15 @@ class LocalPair:
         return str(self.state["decode_control"][0])  # type: ignore[index]
 
     @property
+    def control_secret(self) -> str:
+        """The secret the decode engines' kvturn control servers require."""
+        return str(self.state["control_secret"])
+
+    @property
+    def control_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.control_secret}"}
+
+    @property
     def gateway_url(self) -> str:
         """The gateway ``kvturn up`` started, as an OpenAI base URL (``…/v1``)."""
         return str(self.state["gateway"])

@@ -86,13 +86,18 @@ def test_decode_publishes_retained_kv_for_the_gateway(local_pair: LocalPair) -> 
          "stream": False, "kv_transfer_params": prefill["kv_transfer_params"]},
         headers={"X-Request-Id": request_id},
     )  # fmt: skip
-    published = httpx.get(f"{local_pair.decode_control_url}/kvturn/retained/{request_id}").json()
+    control = f"{local_pair.decode_control_url}/kvturn"
+    # Only the gateway (the holder of the secret) may see or touch what decode retains.
+    assert httpx.get(f"{control}/retained/{request_id}").status_code == 401
+    published = httpx.get(
+        f"{control}/retained/{request_id}", headers=local_pair.control_headers
+    ).json()
     assert published["do_remote_decode"] is True
     # Prompt plus the generated tokens that have KV (the last sampled token has none yet).
     assert published["remote_num_tokens"] == prefill["usage"]["prompt_tokens"] + 7
     assert len(published["kvturn_prefix_digests"]) == published["remote_num_tokens"] // 16
     assert 0 < published["expires_in_s"] <= 120
-    missing = httpx.get(f"{local_pair.decode_control_url}/kvturn/retained/nope")
+    missing = httpx.get(f"{control}/retained/nope", headers=local_pair.control_headers)
     assert missing.status_code == 404
 
 
@@ -112,7 +117,7 @@ def _retained_on_decode(pair: LocalPair, messages: list[dict[str, str]]) -> dict
         headers={"X-Request-Id": request_id},
     )  # fmt: skip
     url = f"{pair.decode_control_url}/kvturn/retained/{request_id}?wait_ms=5000"
-    params = httpx.get(url, timeout=30).json()
+    params = httpx.get(url, timeout=30, headers=pair.control_headers).json()
     params.pop("expires_in_s")
     return dict(params)
 

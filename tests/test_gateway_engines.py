@@ -63,6 +63,7 @@ def _pair_config(pair: LocalPair, **overrides: object) -> GatewayConfig:
     return GatewayConfig(
         prefill=endpoints([pair.prefill_url]),
         decode=endpoints([pair.decode_url], [pair.decode_control_url]),
+        control_secret=pair.control_secret,
         **overrides,  # type: ignore[arg-type]
     )
 
@@ -368,6 +369,7 @@ def test_oversized_body_and_no_healthy_engine(local_pair: LocalPair) -> None:
     dead = GatewayConfig(
         prefill=endpoints([f"http://127.0.0.1:{free_port()}"]),
         decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
+        control_secret=local_pair.control_secret,
         health_interval_s=0.2,
     )
     with running_gateway(dead) as gateway:
@@ -422,6 +424,7 @@ def test_holder_dies_during_the_pull_and_another_holder_is_down(
                 [spec.url, local_pair.decode_url],
                 [f"http://127.0.0.1:{spec.control_port}", local_pair.decode_control_url],
             ),
+            control_secret=local_pair.control_secret,
             health_interval_s=3600,  # only the gateway's own failures tell it the engine died
         )
         with running_gateway(config) as gateway:
@@ -433,19 +436,19 @@ def test_holder_dies_during_the_pull_and_another_holder_is_down(
                 assert _wait_recorded(gateway, name).holder_url == spec.url
                 histories[name] = [*messages, {"role": "assistant", "content": first.text}]
 
-            runner = gateway.app.state.gateway.runner
-            real_lookup = runner._fetch_retained
+            leases = gateway.app.state.gateway.runner.leases
+            real_claim = leases.claim
 
-            async def lookup_then_kill(holder: str | None, rid: str | None) -> Any:
-                params = await real_lookup(holder, rid)
-                assert params is not None, "turn 1's KV should still be retained"
+            async def claim_then_kill(control_url: str, key: str) -> Any:
+                outcome = await real_claim(control_url, key)
+                assert outcome.params is not None, "turn 1's KV should still be leased"
                 extra.stop()
-                return params
+                return outcome
 
-            runner._fetch_retained = lookup_then_kill
+            leases.claim = claim_then_kill
             messages = [*histories["dies-mid-pull"], _tool_result(0)]
             second = run_turn(client, local_pair.model, messages, "dies-mid-pull")
-            runner._fetch_retained = real_lookup
+            leases.claim = real_claim
             assert (second.plan, second.reused_tokens) == ("recompute", 0)
             _assert_same_answer(local_pair, second, messages)
             assert _fallbacks(gateway.url, "pull-failed") == 1
@@ -466,21 +469,21 @@ def test_failed_pull_is_retried_as_recompute(local_pair: LocalPair) -> None:
     """The KV lapses between the lookup and the pull: prefill declines, the turn still works."""
     with running_gateway(_pair_config(local_pair)) as gateway:
         client = _client(gateway.url + "/v1")
-        runner = gateway.app.state.gateway.runner
+        leases = gateway.app.state.gateway.runner.leases
         messages = _opening("harbours", 600)
         first = run_turn(client, local_pair.model, messages, "lapsing")
         _wait_recorded(gateway, "lapsing")
         messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
-        real_lookup = runner._fetch_retained
+        real_claim = leases.claim
 
-        async def lapsed_lookup(holder: str | None, rid: str | None) -> dict[str, Any] | None:
-            params = await real_lookup(holder, rid)
-            assert params is not None, "turn 1's KV should still be retained"
+        async def lapsed_claim(control_url: str, key: str) -> Any:
+            outcome = await real_claim(control_url, key)
+            assert outcome.params is not None, "turn 1's KV should still be leased"
             # Decode's deadline, on its perf_counter clock (the same machine, the same clock).
-            params["remote_blocks_expiry_time"] = time.perf_counter() - 1
-            return params
+            outcome.params["remote_blocks_expiry_time"] = time.perf_counter() - 1
+            return outcome
 
-        runner._fetch_retained = lapsed_lookup
+        leases.claim = lapsed_claim
         second = run_turn(client, local_pair.model, messages, "lapsing")
         assert second.plan == "recompute"
         assert second.reused_tokens == 0
@@ -508,10 +511,12 @@ def test_retained_kv_is_single_use_and_gone_kv_recomputes(local_pair: LocalPair)
         second = run_turn(client, local_pair.model, messages, "once")
         assert second.plan == "pull-reuse"
         url = f"{local_pair.decode_control_url}/kvturn/retained/{consumed}"
+        auth = local_pair.control_headers
         deadline = time.monotonic() + 30
-        while httpx.get(url).status_code == 200 and time.monotonic() < deadline:
+        while httpx.get(url, headers=auth).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert httpx.get(url).status_code == 404
+        gone = httpx.get(url, headers=auth)
+        assert gone.status_code == 404 and gone.json()["reason"] == "read"
         # Point the conversation at the blocks already read (as if decode had freed them).
         conversation = _wait_recorded(gateway, "once")
         conversation.holder_request_id = consumed
@@ -530,7 +535,11 @@ def test_kvturn_serve_in_front_of_running_engines(local_pair: LocalPair) -> None
         "--prefill", local_pair.prefill_url, "--decode", local_pair.decode_url,
         "--decode-control", local_pair.decode_control_url, "--port", str(port),
     ]  # fmt: skip
-    env = {**os.environ, "KVTURN_REUSE_THRESHOLD_TOKENS": "100000"}
+    env = {
+        **os.environ,
+        "KVTURN_REUSE_THRESHOLD_TOKENS": "100000",
+        "KVTURN_CONTROL_SECRET": local_pair.control_secret,
+    }
     server = subprocess.Popen(command, env=env)
     try:
         url = f"http://127.0.0.1:{port}"

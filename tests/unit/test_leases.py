@@ -21,7 +21,7 @@ class FakeClock:
 
 
 def _table(clock: FakeClock, **kw: float) -> LeaseTable:
-    return LeaseTable(clock, max_lease_s=kw.pop("max_lease_s", 120.0), **kw)
+    return LeaseTable(clock, max_lease_s=kw.pop("max_lease_s", 120.0), guard_s=2.0, **kw)
 
 
 def _retain(table: LeaseTable, n: int, conversation: str, lease_s: float = 20.0, blocks: int = 4):
@@ -43,11 +43,12 @@ def test_a_lease_expires_unless_renewed_and_renewal_never_revives() -> None:
     clock = FakeClock()
     table = _table(clock)
     _retain(table, 1, "a")
-    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 120.0}
+    # NIXL frees the blocks 2 s (the guard) after the lease ends.
+    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 122.0}
     clock.now += 15
     renewed = table.renew("r1", 20.0, "tool", 15_000)
     assert renewed is not None and renewed.expires_at == 135.0 and renewed.pause_kind == "tool"
-    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 135.0}
+    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 137.0}
     # A renewal never shortens a lease.
     assert table.renew("r1", 1.0) is not None and table.take_deadlines() == {}
     clock.now = 135.0
@@ -74,7 +75,7 @@ def test_release_frees_now_and_a_newer_turn_supersedes() -> None:
     _retain(table, 2, "a")  # the next turn of "a" on this decode
     deadlines = table.take_deadlines()
     assert deadlines["chatcmpl-r1-0000abcd"] < clock.now  # freed at once
-    assert deadlines["chatcmpl-r2-0000abcd"] == 120.0
+    assert deadlines["chatcmpl-r2-0000abcd"] == 122.0
     assert table.finished("chatcmpl-r1-0000abcd") == "superseded"
     assert table.release("r2") and not table.release("r2")
     assert table.take_deadlines()["chatcmpl-r2-0000abcd"] < clock.now
@@ -90,7 +91,7 @@ def test_a_claimed_lease_outlives_expiry_release_and_pressure_until_read() -> No
     clock.now += 4
     claimed = table.claim("r1")
     assert claimed is not None and claimed.expires_at == 134.0
-    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 134.0}
+    assert table.take_deadlines() == {"chatcmpl-r1-0000abcd": 136.0}
     assert table.claim("r1") is None  # read once
     # A release or memory pressure while a prefill reads waits for the read.
     assert table.release("r1")

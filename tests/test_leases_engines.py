@@ -1,0 +1,238 @@
+"""Decode-side leases on the real engine pair: heartbeats keep KV past the base retention,
+release frees the blocks at once, the control channel refuses strangers, a pull racing an expiry
+still answers right, and turns without a conversation pin nothing.
+
+Retention here is scaled down (a base lease of a few seconds, pauses of three leases) so the
+suite stays short; the logic does not depend on the scale.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvturn.client import OpenAI as KvturnOpenAI
+from kvturn.gateway.config import GatewayConfig, endpoints
+from tests.conftest import LocalPair
+from tests.engine_requests import KV_BYTES_PER_TOKEN, NixlReads, long_prompt, single_engine_ids
+from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway
+
+pytestmark = pytest.mark.engines
+
+#: The base lease of these tests' gateways; a pause of three leases outlives it for sure.
+BASE_LEASE_S = 5.0
+MAX_TOKENS = 16
+
+
+def _config(pair: LocalPair, **overrides: Any) -> GatewayConfig:
+    return GatewayConfig(
+        prefill=endpoints([pair.prefill_url]),
+        decode=endpoints([pair.decode_url], [pair.decode_control_url]),
+        control_secret=pair.control_secret,
+        **overrides,
+    )
+
+
+def _opening(topic: str, tokens: int = 600) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": long_prompt(tokens, f"{topic} {uuid.uuid4().hex[:6]}")}]
+
+
+def _next(messages: list[dict[str, Any]], reply: TurnResult) -> list[dict[str, Any]]:
+    return [
+        *messages,
+        {"role": "assistant", "content": reply.text},
+        {"role": "user", "content": "go on: " + "and then? " * 20},
+    ]
+
+
+def _assert_same_answer(pair: LocalPair, got: TurnResult, messages: list[dict[str, Any]]) -> None:
+    want = single_engine_ids(pair.prefill_url, pair.model, messages, MAX_TOKENS)
+    assert got.token_ids == want, "reuse changed the answer"
+
+
+def _decode_stats(pair: LocalPair) -> dict[str, Any]:
+    url = f"{pair.decode_control_url}/kvturn/leases"
+    return dict(httpx.get(url, headers=pair.control_headers, timeout=10).json())
+
+
+def _ended(pair: LocalPair, reason: str) -> int:
+    return int(_decode_stats(pair)["ended"].get(reason, 0))
+
+
+def _kv_usage(pair: LocalPair) -> float:
+    return metric(f"{pair.decode_url}/metrics", "vllm:kv_cache_usage_perc")
+
+
+def _recorded_key(gateway: Any, conversation_id: str) -> str:
+    store = gateway.app.state.gateway.store
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        conversation = store.get(conversation_id)
+        if conversation is not None and conversation.holder_request_id is not None:
+            return str(conversation.holder_request_id)
+        time.sleep(0.05)
+    raise AssertionError(f"{conversation_id}: no lease recorded")
+
+
+def test_client_heartbeats_keep_kv_past_the_base_lease(local_pair: LocalPair) -> None:
+    """Two conversations pause for three base leases; kvturn.client beats for one of them.
+    The beating one reuses (a real NIXL read, the same answer as one engine alone); the other's
+    lease lapsed on decode, which freed its blocks, and its turn recomputes."""
+    with running_gateway(_config(local_pair, lease_s=BASE_LEASE_S)) as gateway:
+        base = gateway.url + "/v1"
+        beating = KvturnOpenAI(base_url=base, api_key="-", max_retries=0, timeout=300)
+        silent = KvturnOpenAI(base_url=base, api_key="-", max_retries=0, timeout=300,
+                              heartbeats=False)  # fmt: skip
+        expired_before = _ended(local_pair, "expired")
+        histories: dict[str, list[dict[str, Any]]] = {}
+        for name, client in (("beating", beating), ("silent", silent)):
+            with client.conversation(name, release=False):
+                messages = _opening(f"tides {name}")
+                first = run_turn(client, local_pair.model, messages)
+                histories[name] = _next(messages, first)
+            _recorded_key(gateway, name)
+        time.sleep(3 * BASE_LEASE_S)  # a long tool run: beats go out every half lease
+        assert metric(gateway.url + "/metrics", 'kvturn_lease_renewals_total{result="renewed"}')
+        # The silent conversation's lease ran out on decode (its blocks are freed).
+        assert _ended(local_pair, "expired") - expired_before >= 1
+        reads = NixlReads(local_pair.prefill_url)
+        with beating.conversation("beating", release=True):
+            got = run_turn(beating, local_pair.model, histories["beating"])
+        assert got.plan == "pull-reuse" and got.reused_tokens >= 600
+        _assert_same_answer(local_pair, got, histories["beating"])
+        reads.wait_for(1, min_bytes=got.reused_tokens * KV_BYTES_PER_TOKEN)
+        with silent.conversation("silent", release=True):
+            got = run_turn(silent, local_pair.model, histories["silent"])
+        assert (got.plan, got.reused_tokens) == ("recompute", 0)
+        _assert_same_answer(local_pair, got, histories["silent"])
+        beating.close()
+        silent.close()
+
+
+def test_release_frees_the_blocks_at_once(local_pair: LocalPair) -> None:
+    with running_gateway(_config(local_pair, lease_s=300.0)) as gateway:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
+        run_turn(client, local_pair.model, _opening("quarries", 1500), "released")
+        key = _recorded_key(gateway, "released")
+        lease = httpx.get(
+            f"{local_pair.decode_control_url}/kvturn/retained/{key}",
+            headers=local_pair.control_headers,
+        ).json()
+        blocks = len(lease["remote_block_ids"][0])
+        assert blocks * _block_size(local_pair) >= 1500
+        held, usage = _decode_stats(local_pair)["blocks_held"], _kv_usage(local_pair)
+        released = httpx.delete(gateway.url + "/v1/kvturn/conversations/released")
+        assert released.json()["released"] is True
+        # Within a second decode has freed the lease's blocks: by the connector's count and
+        # by vLLM's own KV usage gauge (other leases may lapse meanwhile, none can start).
+        freed = blocks / _num_blocks(local_pair)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            now_held, now_usage = _decode_stats(local_pair)["blocks_held"], _kv_usage(local_pair)
+            if now_held <= held - blocks and now_usage <= usage - freed + 1e-9:
+                break
+            time.sleep(0.05)
+        assert _decode_stats(local_pair)["blocks_held"] <= held - blocks
+        assert _kv_usage(local_pair) <= usage - freed + 1e-9
+
+
+def _cache_config(pair: LocalPair, label: str) -> int:
+    for line in httpx.get(f"{pair.decode_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return int(line.split(f'{label}="', 1)[1].split('"', 1)[0])
+    raise AssertionError("decode serves no vllm:cache_config_info")
+
+
+def _block_size(pair: LocalPair) -> int:
+    return _cache_config(pair, "block_size")
+
+
+def _num_blocks(pair: LocalPair) -> int:
+    return _cache_config(pair, "num_gpu_blocks")
+
+
+def test_strangers_cannot_touch_a_lease(local_pair: LocalPair) -> None:
+    """Renew, release and claim without the gateway's secret: 401, and the lease is as it was
+    (the conversation's next turn still reuses it)."""
+    with running_gateway(_config(local_pair, lease_s=60.0)) as gateway:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
+        messages = _opening("vaults")
+        first = run_turn(client, local_pair.model, messages, "guarded")
+        key = _recorded_key(gateway, "guarded")
+        control = f"{local_pair.decode_control_url}/kvturn"
+
+        def lease() -> dict[str, Any]:
+            got = httpx.get(f"{control}/retained/{key}", headers=local_pair.control_headers)
+            assert got.status_code == 200
+            return dict(got.json())
+
+        before = lease()
+        for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
+            renew = httpx.post(f"{control}/leases/{key}/renew", json={"lease_s": 3600},
+                               headers=headers)  # fmt: skip
+            assert renew.status_code == 401
+            assert httpx.delete(f"{control}/leases/{key}", headers=headers).status_code == 401
+            assert httpx.post(f"{control}/leases/{key}/claim", headers=headers).status_code == 401
+        after = lease()
+        assert after["expires_in_s"] <= before["expires_in_s"]  # not extended
+        messages = _next(messages, first)
+        second = run_turn(client, local_pair.model, messages, "guarded")
+        assert second.plan == "pull-reuse"
+        _assert_same_answer(local_pair, second, messages)
+        httpx.delete(gateway.url + "/v1/kvturn/conversations/guarded")
+
+
+def test_a_pull_racing_the_expiry_still_answers_right(local_pair: LocalPair) -> None:
+    """Turns sent around the moment their lease ends (the gateway set to try even just after
+    it): each is served, by a pull that the claim made safe or by a recompute, never an error,
+    and every answer equals one engine alone."""
+    lease_s = 2.0
+    config = _config(local_pair, lease_s=lease_s, expiry_margin_s=-1.0)
+    with running_gateway(config) as gateway:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
+        plans = []
+        for offset in (-0.3, -0.1, 0.0, 0.1, 0.3):
+            name = f"race-{offset}"
+            messages = _opening("glaciers", 400)
+            first = run_turn(client, local_pair.model, messages, name)
+            _recorded_key(gateway, name)
+            recorded = time.monotonic()
+            messages = _next(messages, first)
+            time.sleep(max(0.0, recorded + lease_s + offset - time.monotonic()))
+            got = run_turn(client, local_pair.model, messages, name)
+            _assert_same_answer(local_pair, got, messages)
+            plans.append(got.plan)
+            httpx.delete(gateway.url + f"/v1/kvturn/conversations/{name}")
+        # Both sides of the race were seen: the early turns reused, the late ones recomputed.
+        assert plans[0] == "pull-reuse" and plans[-1] == "recompute", plans
+
+
+def test_turns_without_a_conversation_pin_nothing(local_pair: LocalPair) -> None:
+    """Plain P/D traffic (no id): decode keeps none of it once the reply ends."""
+    with running_gateway(_config(local_pair)) as gateway:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
+        before = _decode_stats(local_pair)
+        errors: list[BaseException] = []
+
+        def plain(i: int) -> None:
+            try:
+                run_turn(client, local_pair.model, _opening(f"plain {i}", 800))
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=plain, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+        after = _decode_stats(local_pair)
+        assert after["not_retained"] - before["not_retained"] == 4
+        assert after["retained"] == before["retained"]
+        assert after["blocks_held"] <= before["blocks_held"]
