@@ -19,6 +19,9 @@ sent with the turn):
     Answers ``{"expires_in_s": s}``, or 404 with ``reason``.
 ``DELETE /kvturn/leases/{key}[?claimed=1]``
     Free the blocks now (``claimed=1``: the caller's own claim is over, its read ended).
+``POST /kvturn/wake``
+    A turn is on its way to this engine: stop pacing idle steps (see
+    :class:`~kvturn.connector.engine_pacing.IdlePacer`). Every POST and DELETE also does this.
 ``GET /kvturn/leases``
     Counters: live leases, blocks they hold, retained, renewed, claimed, ended by reason.
 ``GET /kvturn/health``
@@ -31,6 +34,7 @@ import hmac
 import json
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -56,9 +60,16 @@ def lease_answer(lease: Lease, now: float) -> dict[str, Any]:
 class ControlServer:
     """Serve a :class:`LeaseTable` over HTTP on ``host:port`` from a daemon thread."""
 
-    def __init__(self, leases: LeaseTable, host: str, port: int, secret: str | None = None):
+    def __init__(
+        self,
+        leases: LeaseTable,
+        host: str,
+        port: int,
+        secret: str | None = None,
+        on_call: Callable[[], None] | None = None,
+    ):
         self.leases = leases
-        handler = _make_handler(leases, secret.encode() if secret else None)
+        handler = _make_handler(leases, secret.encode() if secret else None, on_call)
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
@@ -79,7 +90,9 @@ class ControlServer:
         self._httpd.server_close()
 
 
-def _make_handler(leases: LeaseTable, secret: bytes | None) -> type[BaseHTTPRequestHandler]:
+def _make_handler(
+    leases: LeaseTable, secret: bytes | None, on_call: Callable[[], None] | None
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -107,7 +120,11 @@ def _make_handler(leases: LeaseTable, secret: bytes | None) -> type[BaseHTTPRequ
             body = self._body()
             if body is None or not self._authorized():
                 return
-            if len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "claim":
+            if on_call is not None:
+                on_call()
+            if parts == ["kvturn", "wake"]:
+                self._send(200, {"ok": True})
+            elif len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "claim":
                 self._answer(parts[2], leases.claim(parts[2]))
             elif len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "renew":
                 try:
@@ -133,6 +150,8 @@ def _make_handler(leases: LeaseTable, secret: bytes | None) -> type[BaseHTTPRequ
             parts, query = self._route()
             if self._body() is None or not self._authorized():
                 return
+            if on_call is not None:
+                on_call()
             if len(parts) == 3 and parts[:2] == ["kvturn", "leases"]:
                 claimed = query.get("claimed", ["0"])[0] in ("1", "true")
                 self._send(200, {"released": leases.release(parts[2], end_claim=claimed)})

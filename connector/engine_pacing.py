@@ -3,14 +3,18 @@
 While a finished request's blocks wait to be read (bidirectional mode) or to expire, vLLM's
 engine core keeps stepping to poll the connector, and the worker busy-spins (``sched_yield``)
 for up to 1 s after every message it reads. An idle decode holding a conversation's KV then
-burns a whole core. kvturn paces the empty steps (see ``KvturnConnector.build_connector_meta``)
-and caps the worker's spin window, so between paced steps the worker sleeps on its socket.
+burns a whole core. kvturn paces the empty steps (:class:`IdlePacer`, called from
+``KvturnConnector.build_connector_meta``) and caps the worker's spin window, so between paced
+steps the worker sleeps on its socket.
 Active generation is unaffected: its steps follow each other well inside the window.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -38,3 +42,49 @@ def cap_worker_spin_window(max_s: float = DEFAULT_SPIN_WINDOW_S) -> bool:
     condition.wait = wait
     logger.info("kvturn: shared-memory reader spin window capped at %.1f ms", max_s * 1000)
     return True
+
+
+class IdlePacer:
+    """How long an empty engine step waits before the next one.
+
+    Short (``short_s``) during the first ``short_phase_s`` of idleness, so a request that
+    arrives soon after another is picked up at once; long (``long_s``) after that, so that an
+    idle engine holding leases costs next to no CPU (each empty step wakes the engine core and
+    its worker: a couple of milliseconds of CPU). :meth:`wake` ends a wait early and restarts
+    the short phase: the gateway calls it (through the control server) when a turn is on its
+    way to this engine, and every lease call does.
+    """
+
+    def __init__(
+        self,
+        short_s: float = 0.01,
+        long_s: float = 0.25,
+        short_phase_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.short_s = short_s
+        self.long_s = long_s
+        self.short_phase_s = short_phase_s
+        self._clock = clock
+        self._idle_since: float | None = None
+        self._woken = threading.Event()
+
+    def next_wait(self, busy: bool) -> float:
+        """Seconds the step should wait (0 when it scheduled work)."""
+        if busy:
+            self._idle_since = None
+            return 0.0
+        now = self._clock()
+        if self._idle_since is None:
+            self._idle_since = now
+        return self.short_s if now - self._idle_since < self.short_phase_s else self.long_s
+
+    def pace(self, busy: bool) -> None:
+        wait_s = self.next_wait(busy)
+        if wait_s > 0:
+            self._woken.wait(wait_s)
+            self._woken.clear()
+
+    def wake(self) -> None:
+        self._idle_since = None
+        self._woken.set()

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
 
 from kvturn.connector.block_usage import BlockUsage
 from kvturn.connector.control_server import ControlServer
-from kvturn.connector.engine_pacing import cap_worker_spin_window
+from kvturn.connector.engine_pacing import IdlePacer, cap_worker_spin_window
 from kvturn.connector.leases import LeaseTable, publication_key
 from kvturn.connector.nixl_progress import DEFAULT_PROGRESS_DELAY_US, raise_progress_thread_delay
 from kvturn.kv_params import (
@@ -99,7 +99,10 @@ class KvturnConnector(NixlConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         if affinity is not None and os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
-        self._idle_step_sleep_s = float(extra.get("kvturn_idle_step_sleep_ms", 10)) / 1000
+        self._pacer = IdlePacer(
+            short_s=float(extra.get("kvturn_idle_step_sleep_ms", 10)) / 1000,
+            long_s=float(extra.get("kvturn_idle_long_sleep_ms", 250)) / 1000,
+        )
         if role == KVConnectorRole.WORKER:
             cap_worker_spin_window(float(extra.get("kvturn_worker_spin_ms", 2)) / 1000)
         self._block_size = vllm_config.cache_config.block_size
@@ -125,7 +128,9 @@ class KvturnConnector(NixlConnector):
             secret = os.environ.get(SECRET_ENV) or None
             if secret is None:
                 logger.warning("kvturn: %s is not set: the control channel is open", SECRET_ENV)
-            self._control = ControlServer(self.leases, host, int(port), secret).start()
+            self._control = ControlServer(
+                self.leases, host, int(port), secret, on_call=self._pacer.wake
+            ).start()
 
     # ---- scheduler side: prefill -----------------------------------------------------------
 
@@ -190,8 +195,7 @@ class KvturnConnector(NixlConnector):
         # While finished requests' blocks wait to be read (or to expire), the engine core steps
         # in a busy loop to poll the connector, burning a core on an otherwise idle engine.
         # An empty step means nothing is running: pace those steps instead.
-        if scheduler_output.total_num_scheduled_tokens == 0 and self._idle_step_sleep_s > 0:
-            time.sleep(self._idle_step_sleep_s)
+        self._pacer.pace(busy=scheduler_output.total_num_scheduled_tokens > 0)
         return meta
 
     # ---- scheduler side: decode ------------------------------------------------------------

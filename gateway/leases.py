@@ -68,6 +68,10 @@ class LeaseClient:
         answer = await self._call("DELETE", f"{control_url}/kvturn/leases/{quote(key)}{suffix}")
         return answer is not None and answer[0] == 200 and bool(answer[1].get("released"))
 
+    async def wake(self, control_url: str) -> None:
+        """Tell an idle decode a turn is on its way (it stops pacing its idle steps)."""
+        await self._call("POST", f"{control_url}/kvturn/wake")
+
     async def stats(self, control_url: str) -> dict[str, Any] | None:
         answer = await self._call("GET", f"{control_url}/kvturn/leases")
         return answer[1] if answer is not None and answer[0] == 200 else None

@@ -135,6 +135,7 @@ class TurnRunner:
 
     async def _serve(self, turn: Turn, conversation: Conversation | None) -> Reply:
         """Prefill then decode, once more from scratch if decode fails before replying."""
+        self._wake_decode(conversation)
         prefilled = await self._prefill(turn, conversation)
         if isinstance(prefilled, Reply):
             return prefilled
@@ -152,6 +153,16 @@ class TurnRunner:
             if isinstance(retry, Reply):
                 return retry
             return await self._decode(turn, conversation, retry)
+
+    def _wake_decode(self, conversation: Conversation | None) -> None:
+        """An idle decode paces its empty steps (up to a quarter second apart while it holds
+        leases): tell the one this turn will likely use, while prefill runs."""
+        try:
+            target = self.decode.choose(prefer=conversation.holder_url if conversation else None)
+        except NoHealthyEngine:
+            return
+        if target.in_flight == 0 and target.control_url is not None:
+            self._background_task(self.leases.wake(target.control_url))
 
     async def close(self) -> None:
         for task in list(self._background):

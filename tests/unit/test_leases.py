@@ -224,3 +224,25 @@ def test_control_channel_routes(control: tuple[LeaseTable, str]) -> None:
     assert gone.status_code == 404 and gone.json()["reason"] == "released"
     stats = httpx.get(f"{base}/leases", headers=auth).json()
     assert stats["retained"] == 2 and stats["ended"] == {"released": 1}
+
+
+def test_idle_pacing_is_short_then_long_and_a_wake_restarts_it() -> None:
+    from kvturn.connector.engine_pacing import IdlePacer
+
+    clock = FakeClock()
+    pacer = IdlePacer(short_s=0.01, long_s=0.25, short_phase_s=2.0, clock=clock)
+    assert pacer.next_wait(busy=True) == 0.0
+    assert pacer.next_wait(busy=False) == 0.01
+    clock.now += 2.5
+    assert pacer.next_wait(busy=False) == 0.25
+    pacer.wake()
+    assert pacer.next_wait(busy=False) == 0.01
+    clock.now += 2.5
+    assert pacer.next_wait(busy=False) == 0.25
+    assert pacer.next_wait(busy=True) == 0.0 and pacer.next_wait(busy=False) == 0.01
+    # A wake ends a long wait early.
+    sleepy = IdlePacer(short_s=5.0, long_s=5.0)
+    threading.Timer(0.05, sleepy.wake).start()
+    started = time.monotonic()
+    sleepy.pace(busy=False)
+    assert time.monotonic() - started < 2.5
