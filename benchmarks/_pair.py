@@ -23,6 +23,7 @@ def local_pair(
     kv_ttl: int = 480,
     gateway_port: int = 28000,
     kv_cache_gb: int = 4,
+    lease_s: float | None = None,
 ) -> Iterator[dict]:
     """Run ``kvturn up`` (engines + gateway) for the block; yields its state (URLs, pids)."""
     work = Path(tempfile.mkdtemp(prefix="kvturn-bench-"))
@@ -32,7 +33,8 @@ def local_pair(
         [sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", model,
          "--base-port", str(base_port), "--kv-ttl", str(kv_ttl), "--port", str(gateway_port),
          "--kv-cache-gb", str(kv_cache_gb),
-         "--log-dir", str(work / "logs"), "--state-file", str(state_file)],
+         "--log-dir", str(work / "logs"), "--state-file", str(state_file),
+         *(["--lease-s", str(lease_s)] if lease_s is not None else [])],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

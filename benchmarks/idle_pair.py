@@ -1,9 +1,10 @@
-"""CPU used by an idle 1P1D pair, with and without retained KV, and 2k/8k prefill times.
+"""CPU used by an idle 1P1D pair, with and without leased KV, and 2k/8k prefill times.
 
     .venv/bin/python benchmarks/idle_pair.py            # writes benchmarks/results/idle_pair.md
 
 Measured on the engines' whole process groups (API server, engine core, worker, NIXL threads)
-from /proc, over a fixed window. Target for the idle pair: under 10% of one core.
+from /proc, over a fixed window. Targets: the idle pair under 10% of one core; an idle decode
+holding 50 conversations' leases at most 2% of a core above the same decode idle.
 """
 
 from __future__ import annotations
@@ -43,22 +44,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--window", type=float, default=20.0, help="seconds per CPU sample")
     parser.add_argument("--repeats", type=int, default=3, help="prefills per size")
+    parser.add_argument("--leases", type=int, default=50, help="conversations leased on decode")
     args = parser.parse_args()
 
-    with local_pair(kv_ttl=120) as state:
+    with local_pair(kv_ttl=600, lease_s=600) as state:
         pids, model = state["pids"], state["model"]
-        p_url, d_url = state["prefill"][0], state["decode"][0]
+        p_url = state["prefill"][0]
+        decode_pid = pids[-1]
         time.sleep(5)  # let start-up settle
         idle = cpu_share(pids, args.window)
+        idle_decode = cpu_share([decode_pid], args.window)
 
-        # One full P/D turn: decode now retains its blocks (bidirectional mode) for the TTL.
-        body = {"model": model, "messages": prompt_of(2048, "warm"), "max_tokens": 1,
-                "temperature": 0, "kv_transfer_params": dict(PD_PARAMS)}  # fmt: skip
-        kv = httpx.post(f"{p_url}/v1/chat/completions", json=body, timeout=300).json()
-        body.update(max_tokens=16, kv_transfer_params=kv["kv_transfer_params"])
-        httpx.post(f"{d_url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
-        time.sleep(2)
-        retained = cpu_share(pids, args.window)
+        # Conversations through the gateway, left open: each one's KV is leased on decode.
+        for i in range(args.leases):
+            body = {"model": model, "messages": prompt_of(600, f"lease{i}"), "max_tokens": 8,
+                    "temperature": 0}  # fmt: skip
+            headers = {"X-Conversation-Id": f"idle-{i}"}
+            httpx.post(f"{state['gateway']}/chat/completions", json=body, headers=headers,
+                       timeout=300).raise_for_status()  # fmt: skip
+        time.sleep(5)  # past the short pacing phase
+        control = state["decode_control"][0]
+        auth = {"Authorization": f"Bearer {state['control_secret']}"}
+        leases = httpx.get(f"{control}/kvturn/leases", headers=auth).json()
+        assert leases["leases"] == args.leases, leases
+        leased_decode = cpu_share([decode_pid], args.window)
+        leased = cpu_share(pids, args.window)
 
         prefill = {}
         for tokens in (2048, 8192):
@@ -74,10 +84,11 @@ def main() -> int:
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; machine: 2 cores; model: tiny (float32); "
         f"CPU window {args.window:.0f} s per sample; prefill: median of {args.repeats}.",
         "",
-        "| state | CPU (cores, both engines together) |",
-        "|---|---|",
-        f"| idle after start-up | {idle:.3f} |",
-        f"| holding one conversation's retained KV (decode TTL running) | {retained:.3f} |",
+        "| state | decode alone (cores) | both engines (cores) |",
+        "|---|---|---|",
+        f"| idle after start-up | {idle_decode:.3f} | {idle:.3f} |",
+        f"| decode holding {args.leases} conversations' leases, idle | {leased_decode:.3f} "
+        f"| {leased:.3f} |",
         "",
         "| prompt tokens | prefill time (s) |",
         "|---|---|",

@@ -263,6 +263,7 @@ def test_memory_pressure_reclaims_by_expected_return(
         control_port=TEST_BASE_PORT + 260,
         cpu=0,
         kv=KVSettings(decoder_kv_blocks_ttl_s=TEST_KV_TTL_S),
+        max_model_len=4096,
         extra_args=("--num-gpu-blocks-override", str(SMALL_DECODE_BLOCKS)),
     )
     small = EngineProcess(spec, tmp_path / "small-decode.log").start()
