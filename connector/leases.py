@@ -133,6 +133,9 @@ class Lease:
     #: Set when the lease must go as soon as no claim holds it.
     ending: EndReason | None = None
     renewals: int = 0
+    #: Whether memory pressure may take it (not for requests another proxy drives: upstream
+    #: semantics, a fixed TTL and nothing else).
+    reclaimable: bool = True
 
     @property
     def blocks(self) -> int:
@@ -192,6 +195,8 @@ class LeaseTable:
         params: dict[str, Any],
         block_ids: Sequence[Sequence[int]],
         lease_s: float,
+        *,
+        reclaimable: bool = True,
     ) -> Lease:
         """A finished turn of ``conversation`` keeps its blocks: lease them for ``lease_s``."""
         now = self.clock()
@@ -203,6 +208,7 @@ class LeaseTable:
             block_ids=tuple(list(group) for group in block_ids),
             expires_at=now + self._bounded(lease_s),
             paused_since=now,
+            reclaimable=reclaimable,
         )
         with self._lock:
             previous = self._by_conversation.get(conversation)
@@ -347,7 +353,7 @@ class LeaseTable:
             candidates = [
                 lease
                 for lease in self._by_request.values()
-                if lease.ending is None and lease.claimed_until <= now
+                if lease.reclaimable and lease.ending is None and lease.claimed_until <= now
             ]
             candidates.sort(key=lambda lease: self._keep_score(lease, now))
             taken: list[Lease] = []
@@ -367,7 +373,7 @@ class LeaseTable:
             live = [
                 lease
                 for lease in self._by_request.values()
-                if lease.ending is None and lease.claimed_until <= now
+                if lease.reclaimable and lease.ending is None and lease.claimed_until <= now
             ]
             return [lease.key for lease in sorted(live, key=lambda x: self._keep_score(x, now))]
 

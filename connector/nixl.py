@@ -17,8 +17,9 @@ It overrides only what kvturn needs, on the scheduler side:
   NIXL's worker as a new deadline for the request in ``reqs_to_send`` (the worker rebases it
   onto its clock and frees the blocks when it passes): the upstream reaping path, only steered.
   ``decoder_kv_blocks_ttl`` is the longest lease. Requests that carry no ``kvturn_conversation``
-  key at all (another proxy drives the engine) keep upstream's fixed TTL. Each retained turn's
-  params get chained digests of the token ids its blocks hold, and are served on the kvturn
+  key at all (another proxy drives the engine) keep upstream's semantics: a fixed TTL
+  (``kvturn_lease_s`` if given, else ``decoder_kv_blocks_ttl``), never reclaimed. Each
+  retained turn's params get chained digests of the token ids its blocks hold, and are served on the kvturn
   control server (``kvturn_control_port`` in ``kv_connector_extra_config``), so the gateway
   learns them even for streamed responses, which carry none in vLLM 0.32.
 * **Memory pressure** (decode): the connector counts the blocks running requests and leases
@@ -234,6 +235,7 @@ class KvturnConnector(NixlConnector):
             dict(params),
             params["remote_block_ids"],
             lease_s,
+            reclaimable=CONVERSATION_KEY in sent,
         )
         self._usage.set_blocks(_lease_owner(request.request_id), params["remote_block_ids"])
         return delay_free, params

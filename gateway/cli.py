@@ -9,6 +9,7 @@ import secrets
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -22,6 +23,9 @@ from kvturn.gateway.engines import (
     start_engines,
 )
 from kvturn.gateway.local_models import MODEL_NAMES, ensure_model, kvturn_home
+
+#: Tokens per KV block on vLLM-CPU.
+CPU_BLOCK_TOKENS = 128
 
 
 def _resolve_model(name_or_path: str) -> tuple[Path, str]:
@@ -53,7 +57,7 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
         decoder_kv_blocks_ttl_s=args.kv_ttl,
         kv_recompute_threshold=args.recompute_threshold,
     )
-    return plan_specs(
+    specs = plan_specs(
         model,
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -63,6 +67,22 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
         prefill_prefix_caching=args.prefill_prefix_cache,
         kv_cache_gb=args.kv_cache_gb,
     )
+    blocks = getattr(args, "decode_kv_blocks", None)
+    if blocks:
+        # A small decode KV cache, to see retention under memory pressure: vLLM's block-count
+        # override; a request must fit, so the decode's context shrinks with it (vLLM-CPU
+        # blocks hold 128 tokens).
+        specs = [
+            replace(
+                spec,
+                max_model_len=min(spec.max_model_len, blocks * CPU_BLOCK_TOKENS),
+                extra_args=(*spec.extra_args, "--num-gpu-blocks-override", str(blocks)),
+            )
+            if spec.role == "decode"
+            else spec
+            for spec in specs
+        ]
+    return specs
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -205,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="let prefill engines keep a prefix cache (off: measure what a busy pool sees)",
     )
     up.add_argument("--kv-cache-gb", type=int, default=2, help="KV cache per engine, GiB")
+    up.add_argument(
+        "--decode-kv-blocks", type=int, default=None,
+        help="cap each decode's KV cache at this many blocks (to study memory pressure)",
+    )  # fmt: skip
     up.add_argument("--log-dir", default=None, help="engine logs (default $KVTURN_HOME/logs)")
     up.add_argument("--state-file", default=None, help="write URLs and pids here when ready")
     up.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait")

@@ -51,3 +51,14 @@ def test_up_flags_reach_the_engines(tmp_path: Path) -> None:
         assert extra["kv_recompute_threshold"] == 100
         assert extra["decoder_kv_blocks_ttl"] == 30
     assert [bool(s.control_port) for s in specs] == [False, True, True]
+
+
+def test_decode_kv_blocks_caps_only_the_decodes(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 20480}))
+    args = build_parser().parse_args(["up", "--decode-kv-blocks", "40"])
+    prefill, decode = engine_specs(args, tmp_path, "m")
+    assert "--num-gpu-blocks-override" not in prefill.command()
+    command = decode.command()
+    assert command[command.index("--num-gpu-blocks-override") + 1] == "40"
+    # A request must fit in the blocks: 40 blocks of 128 tokens.
+    assert command[command.index("--max-model-len") + 1] == "5120"

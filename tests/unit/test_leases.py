@@ -246,3 +246,12 @@ def test_idle_pacing_is_short_then_long_and_a_wake_restarts_it() -> None:
     started = time.monotonic()
     sleepy.pace(busy=False)
     assert time.monotonic() - started < 2.5
+
+
+def test_leases_of_requests_another_proxy_drives_are_never_reclaimed() -> None:
+    clock = FakeClock()
+    table = _table(clock)
+    table.retain("r1", "r1", "request:r1", {}, [[1, 2, 3]], 20.0, reclaimable=False)
+    _retain(table, 2, "b")
+    assert [lease.key for lease in table.reclaim(100)] == ["r2"]
+    assert table.reclaim_order() == []
