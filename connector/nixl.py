@@ -19,9 +19,9 @@ It overrides only what kvturn needs, on the scheduler side:
   ``decoder_kv_blocks_ttl`` is the longest lease. Requests that carry no ``kvturn_conversation``
   key at all (another proxy drives the engine) keep upstream's semantics: a fixed TTL
   (``kvturn_lease_s`` if given, else ``decoder_kv_blocks_ttl``), never reclaimed. Each
-  retained turn's params get chained digests of the token ids its blocks hold, and are served on the kvturn
-  control server (``kvturn_control_port`` in ``kv_connector_extra_config``), so the gateway
-  learns them even for streamed responses, which carry none in vLLM 0.32.
+  retained turn's params get chained digests of the token ids its blocks hold, and are served
+  on the kvturn control server (``kvturn_control_port`` in ``kv_connector_extra_config``), so
+  the gateway learns them even for streamed responses, which carry none in vLLM 0.32.
 * **Memory pressure** (decode): the connector counts the blocks running requests and leases
   hold (:mod:`.block_usage`); when free blocks would fall below
   ``kvturn_free_blocks_watermark`` (a fraction of the cache) or a waiting request cannot get its
