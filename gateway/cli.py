@@ -71,11 +71,11 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
     if blocks:
         # A small decode KV cache, to see retention under memory pressure: vLLM's block-count
         # override; a request must fit, so the decode's context shrinks with it (vLLM-CPU
-        # blocks hold 128 tokens).
+        # blocks hold 128 tokens, and vLLM keeps one block as its null block).
         specs = [
             replace(
                 spec,
-                max_model_len=min(spec.max_model_len, blocks * CPU_BLOCK_TOKENS),
+                max_model_len=min(spec.max_model_len, (blocks - 1) * CPU_BLOCK_TOKENS),
                 extra_args=(*spec.extra_args, "--num-gpu-blocks-override", str(blocks)),
             )
             if spec.role == "decode"

@@ -60,5 +60,5 @@ def test_decode_kv_blocks_caps_only_the_decodes(tmp_path: Path) -> None:
     assert "--num-gpu-blocks-override" not in prefill.command()
     command = decode.command()
     assert command[command.index("--num-gpu-blocks-override") + 1] == "40"
-    # A request must fit in the blocks: 40 blocks of 128 tokens.
-    assert command[command.index("--max-model-len") + 1] == "5120"
+    # A request must fit in the blocks: 39 blocks of 128 tokens (vLLM keeps one as its null block).
+    assert command[command.index("--max-model-len") + 1] == "4992"
