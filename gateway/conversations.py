@@ -53,6 +53,10 @@ class ConversationStore:
             self._items.move_to_end(conversation_id)
         return conversation
 
+    def peek(self, conversation_id: str) -> Conversation | None:
+        """The entry, without marking it recently used."""
+        return self._items.get(conversation_id)
+
     def get_or_create(self, conversation_id: str) -> Conversation:
         conversation = self.get(conversation_id)
         if conversation is None:

@@ -394,6 +394,10 @@ class TurnRunner:
                 )
             if retained is None or holder is None:
                 self.store.forget_kv(conversation)
+            elif self.store.peek(conversation.conversation_id) is not conversation:
+                # Released (or forgotten) while this turn ran: nobody will come back for it.
+                assert holder.control_url is not None
+                await self.leases.release(holder.control_url, request_id)
             else:
                 self.store.record_retained(
                     conversation,

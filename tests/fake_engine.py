@@ -154,7 +154,9 @@ async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None
         return
     key = parts[2]
     if method == "DELETE":
-        await _send_json(send, 200, {"released": _RETAINED.pop(key, None) is not None})
+        released = _RETAINED.pop(key, None) is not None
+        _COUNTS["releases"] = _COUNTS.get("releases", 0) + released
+        await _send_json(send, 200, {"released": released})
         return
     found = _RETAINED.get(key)
     if found is None:

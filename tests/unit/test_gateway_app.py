@@ -196,3 +196,22 @@ def test_an_unexpected_failure_is_an_openai_shaped_500(fake_url: str) -> None:
         response = _chat(running.url)
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "server_error"
+
+
+def test_a_conversation_released_mid_turn_leaves_no_lease(gateway: str, fake_url: str) -> None:
+    """The client releases while a turn still streams: the KV that turn leaves is released on
+    the decode as soon as it is published, not left to lapse."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "fake_slow_stream": 10}  # fmt: skip
+    headers = {"X-Conversation-Id": "mid-release"}
+    before = httpx.get(fake_url + "/fake/counts").json().get("releases", 0)
+    with httpx.stream("POST", gateway + "/v1/chat/completions", json=body, headers=headers) as r:
+        released = httpx.delete(gateway + "/v1" + control.release_path("mid-release"))
+        assert released.json()["released"] is True
+        assert list(r.iter_lines())[-2] == "data: [DONE]"
+    deadline = time.monotonic() + 5
+    while httpx.get(fake_url + "/fake/counts").json().get("releases", 0) == before:
+        assert time.monotonic() < deadline, "the turn's lease was never released"
+        time.sleep(0.02)
+    again = _chat(gateway, **headers)
+    assert again.headers["x-kvturn-plan"] == "recompute"
