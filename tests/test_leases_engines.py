@@ -2,8 +2,8 @@
 release frees the blocks at once, the control channel refuses strangers, a pull racing an expiry
 still answers right, and turns without a conversation pin nothing.
 
-Retention here is scaled down (a base lease of a few seconds, pauses of three leases) so the
-suite stays short; the logic does not depend on the scale.
+The heartbeat test runs the issue's scale (a base lease of 20 s, a pause of 60 s); the others
+use shorter leases where the logic does not depend on the scale.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway
 pytestmark = pytest.mark.engines
 
 #: The base lease of these tests' gateways; a pause of three leases outlives it for sure.
-BASE_LEASE_S = 5.0
+BASE_LEASE_S = 20.0
 MAX_TOKENS = 16
 
 
@@ -129,6 +129,13 @@ def test_release_frees_the_blocks_at_once(local_pair: LocalPair) -> None:
         blocks = len(lease["remote_block_ids"][0])
         assert blocks * _block_size(local_pair) >= 1500
         held, usage = _decode_stats(local_pair)["blocks_held"], _kv_usage(local_pair)
+        # The gateway's /metrics shows the decode connector's own counts.
+        gateway_metrics = gateway.url + "/metrics"
+        assert metric(gateway_metrics, "kvturn_decode_lease_blocks") >= blocks
+        assert metric(gateway_metrics, "kvturn_decode_leases") >= 1
+        decode = local_pair.decode_url
+        ended = f'kvturn_decode_lease_events{{decode="{decode}",event="ended_released"}}'
+        released_before = metric(gateway_metrics, ended)
         released = httpx.delete(gateway.url + "/v1/kvturn/conversations/released")
         assert released.json()["released"] is True
         # Within a second decode has freed the lease's blocks: by the connector's count and
@@ -142,6 +149,7 @@ def test_release_frees_the_blocks_at_once(local_pair: LocalPair) -> None:
             time.sleep(0.05)
         assert _decode_stats(local_pair)["blocks_held"] <= held - blocks
         assert _kv_usage(local_pair) <= usage - freed + 1e-9
+        assert metric(gateway_metrics, ended) == released_before + 1
 
 
 def _cache_config(pair: LocalPair, label: str) -> int:
