@@ -43,6 +43,16 @@ class GatewayConfig:
     #: The secret decode engines' kvturn control servers require (``KVTURN_CONTROL_SECRET``).
     control_secret: str | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, not {self.lease_s}")
+        if self.expiry_margin_s >= self.lease_s:
+            # Every lease would look lapsed as soon as it was granted: no turn would reuse.
+            raise ValueError(
+                f"expiry_margin_s ({self.expiry_margin_s}) must be less than lease_s "
+                f"({self.lease_s}), or no turn would ever reuse KV"
+            )
+
     @classmethod
     def from_env(cls, **overrides: object) -> GatewayConfig:
         """Defaults, then ``KVTURN_*`` environment variables, then explicit ``overrides``."""

@@ -23,7 +23,10 @@ LEASE_S = 0.4
 def gateway() -> Iterator[GatewayThread]:
     with running_fake_engine() as fake:
         config = GatewayConfig(
-            prefill=endpoints([fake]), decode=endpoints([fake], [fake]), lease_s=LEASE_S
+            prefill=endpoints([fake]),
+            decode=endpoints([fake], [fake]),
+            lease_s=LEASE_S,
+            expiry_margin_s=0.05,
         )
         with running_gateway(config) as running:
             yield running

@@ -26,6 +26,14 @@ def test_control_urls_pair_with_engines_in_order() -> None:
         endpoints(["http://a"], ["http://x", "http://y"])
 
 
+def test_a_margin_that_would_forbid_all_reuse_is_refused() -> None:
+    with pytest.raises(ValueError, match="expiry_margin_s"):
+        GatewayConfig(lease_s=0.4, expiry_margin_s=0.5)
+    with pytest.raises(ValueError, match="lease_s"):
+        GatewayConfig(lease_s=0)
+    assert GatewayConfig(lease_s=0.4, expiry_margin_s=0.05).lease_s == 0.4
+
+
 def test_serve_flags_reach_the_config() -> None:
     args = build_parser().parse_args(
         ["serve", "--prefill", "http://p", "--decode", "http://d", "--lease-s", "3",
