@@ -70,3 +70,12 @@ def assert_reuse_and_pause_kinds(turns: Any) -> None:
     for earlier, later in itertools.pairwise(turns):
         assert later.pause is not None
         assert later.pause.kind == ("tool" if earlier.tool_calls else "user"), (earlier, later)
+
+
+def assert_tool_ran_per_question(turns: Any, questions: int) -> None:
+    """Each question's first model call (the call after no pause or a user pause: the tool is
+    forced there) asked for the tool, so a tool pause follows it. A model with random weights
+    may ask again once the tool is no longer forced: later calls are not constrained."""
+    firsts = [t for t in turns if t.pause is None or t.pause.kind == "user"]
+    assert len(firsts) == questions, turns
+    assert all(t.tool_calls for t in firsts), turns

@@ -6,7 +6,7 @@ Takes ``base_url``: the stand-in gateway by default, the real one with KVTURN_TE
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from kvturn_test_helpers import REUSE_PLANS, assert_reuse_and_pause_kinds
@@ -30,35 +30,49 @@ SEEN: list[Any] = []
 BOTH_GATEWAYS = ["stand-in", pytest.param("engines", marks=pytest.mark.engines)]
 
 
+#: Room for the forced call's whole ``<tool_call>`` envelope (the tiny test model's tokenizer
+#: spends about one token per character).
+MAX_TOKENS = 128
+
+
 @tool
-def get_weather(city: str) -> str:
+def get_weather(city: Literal["Paris", "Rome", "Oslo", "Bergen"]) -> str:
     """Weather in a city."""
     SEEN.append(current_conversation())
     return f"sunny in {city}"
 
 
 @pytest.fixture
-def llm(base_url: str, model_name: str) -> Iterator[KvturnChatOpenAI]:
+def llm(
+    base_url: str, model_name: str, request: pytest.FixtureRequest
+) -> Iterator[KvturnChatOpenAI]:
     SEEN.clear()
     client = OpenAI(base_url=base_url, api_key="test", max_retries=0)
     async_client = AsyncOpenAI(base_url=base_url, api_key="test", max_retries=0)
-    yield chat_openai(client, async_client, model=model_name, temperature=0, max_tokens=16)
+    yield chat_openai(
+        client, async_client, model=model_name, temperature=0, max_tokens=MAX_TOKENS,
+        streaming=request.param if hasattr(request, "param") else False,
+    )  # fmt: skip
     client.close()
 
 
 def build_graph(llm: KvturnChatOpenAI) -> Any:
     # The tool is forced while the last message is the user's (a random-weight model must
-    # still call it); after a tool result the model answers without tools.
-    forced = llm.bind_tools([get_weather], tool_choice="get_weather")
+    # still call it); after a tool result the model answers, the tool still offered (as agents
+    # do: the same tools on every call keep the prompt's prefix, and so its KV, the same).
+    # Strict, with an enum: vLLM pins a forced call's arguments to the schema only for strict
+    # tools.
+    forced = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True)
+    answer = llm.bind_tools([get_weather], tool_choice="none", strict=True)
 
     def agent(state: MessagesState) -> dict[str, Any]:
         last = state["messages"][-1]
-        model = llm if isinstance(last, ToolMessage) else forced
+        model = answer if isinstance(last, ToolMessage) else forced
         return {"messages": [model.invoke(state["messages"])]}
 
     async def aagent(state: MessagesState) -> dict[str, Any]:
         last = state["messages"][-1]
-        model = llm if isinstance(last, ToolMessage) else forced
+        model = answer if isinstance(last, ToolMessage) else forced
         return {"messages": [await model.ainvoke(state["messages"])]}
 
     from langchain_core.runnables import RunnableLambda
@@ -72,6 +86,7 @@ def build_graph(llm: KvturnChatOpenAI) -> Any:
     return graph.compile(checkpointer=InMemorySaver())
 
 
+@pytest.mark.parametrize("llm", [False, True], ids=["invoke", "streamed"], indirect=True)
 @pytest.mark.parametrize("gateway_kind", BOTH_GATEWAYS, indirect=True)
 def test_two_turn_graph_run_reuses_kv_on_turn_2(llm: KvturnChatOpenAI, real_gateway: bool) -> None:
     graph = build_graph(llm)
@@ -85,8 +100,13 @@ def test_two_turn_graph_run_reuses_kv_on_turn_2(llm: KvturnChatOpenAI, real_gate
     assert all(turn.plan in REUSE_PLANS for turn in conversation.turns[1:])
     # Tools run between model calls, outside any scope; the pause still counts as a tool pause.
     assert [None] * sum(t.tool_calls for t in conversation.turns) == SEEN
-    if not real_gateway:
-        assert len(conversation.turns) == 4 and len(SEEN) == 2
+    assert len(conversation.turns) == 4 and len(SEEN) == 2  # the tool ran for each question
+    assert [t.pause.kind if t.pause else None for t in conversation.turns] == [
+        None,
+        "tool",
+        "user",
+        "tool",
+    ]
 
     release_thread(llm, "thread-7")
     assert "thread-7" not in llm.root_client.kvturn_conversations
@@ -105,8 +125,7 @@ async def test_async_graph_run_reuses_kv_on_turn_2(
     (conversation,) = llm.root_async_client.kvturn_conversations.values()
     assert conversation.id.startswith("h-")
     assert_reuse_and_pause_kinds(conversation.turns)
-    if not real_gateway:
-        assert len(conversation.turns) == 4
+    assert len(conversation.turns) == 4 and len(SEEN) == 2  # the tool ran for each question
     await arelease_thread(llm, "thread:async/1")
     assert not llm.root_async_client.kvturn_conversations
     await llm.root_async_client.close()
