@@ -12,12 +12,14 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvturn import control
 from kvturn import headers as h
+from kvturn.gateway.auth import ApiKeys, scoped_key, tenant_salt
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.conversations import ConversationStore
 from kvturn.gateway.errors import (
@@ -32,6 +34,7 @@ from kvturn.gateway.pools import Pool, check_health_forever
 from kvturn.gateway.replies import Reply, error_reply, send_reply
 from kvturn.gateway.turns import Turn, TurnRunner
 from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
+from kvturn.gateway.validation import check_request
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -64,6 +67,11 @@ class Gateway:
 
     async def start(self) -> None:
         """Open the engine client, learn the models, start health checks."""
+        if self.config.api_keys.open:
+            logger.warning(
+                "no API keys configured: the gateway is open, every caller is one tenant "
+                "(set KVTURN_API_KEYS or KVTURN_API_KEYS_FILE to require keys)"
+            )
         await self.upstream.start()
         await self.refresh_models()
         self._health = asyncio.create_task(
@@ -89,8 +97,32 @@ TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 #: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
 _TURN_HEADERS = {
     name.lower().encode("latin-1"): name
-    for name in (h.CONVERSATION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND)
+    for name in (h.CONVERSATION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND, "Authorization")
 }
+#: Where the authentication middleware leaves the caller's tenant in the ASGI scope.
+TENANT_SCOPE_KEY = "kvturn.tenant"
+
+
+class Authenticate:
+    """Every route but ``/health`` needs a valid API key (when the gateway has keys); the
+    caller's tenant goes into the scope for the routes."""
+
+    def __init__(self, app: Any, keys: ApiKeys):
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            authorization = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization = value.decode("latin-1")
+            try:
+                scope[TENANT_SCOPE_KEY] = self.keys.tenant(authorization)
+            except GatewayError as error:
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class GatewayApp:
@@ -162,7 +194,9 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         except ValueError as error:
             return _error(InvalidRequest(f"invalid heartbeat body: {error}"))
         gateway.metrics.heartbeats.inc()
-        conversation = gateway.store.get(conversation_id)
+        conversation = gateway.store.get(
+            scoped_key(request.scope[TENANT_SCOPE_KEY], conversation_id)
+        )
         if conversation is None:
             answer = control.HeartbeatResponse(conversation_id=conversation_id, known=False)
         else:
@@ -193,7 +227,9 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             _check_conversation_id(conversation_id)
         except GatewayError as error:
             return _error(error)
-        conversation = gateway.store.remove(conversation_id)
+        conversation = gateway.store.remove(
+            scoped_key(request.scope[TENANT_SCOPE_KEY], conversation_id)
+        )
         released = conversation is not None
         if conversation is not None:
             gateway.metrics.releases.inc()
@@ -242,6 +278,7 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             Route(conversations + "/{conversation_id}", release, methods=["DELETE"]),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(Authenticate, keys=config.api_keys)],
         exception_handlers={
             HTTPException: _http_error,  # unknown route, wrong method
             Exception: _unexpected_error,
@@ -262,15 +299,22 @@ async def serve_turn(
         if wanted is not None:
             headers[wanted] = value.decode("latin-1")
     try:
-        # Everything else about the request is the engine's to judge: prefill refuses a bad
-        # request before any work, with vLLM's own error, which the client gets unchanged.
+        tenant = gateway.config.api_keys.tenant(headers.get("Authorization"))
+        # The fields the gateway reads are checked here; everything else about the request is
+        # the engine's to judge: prefill refuses a bad request before any work, with vLLM's
+        # own error, which the client gets unchanged.
         body = _parse_body(raw_body)
+        check_request(path, body)
         conversation_id = _conversation_id(headers.get(h.CONVERSATION_ID), body)
-        pause = _record_pause(gateway, headers)
         turn_id = headers.get(h.TURN_ID)
         if turn_id is not None and len(turn_id) > 128:
             raise InvalidRequest("turn id is longer than 128 characters")
-        return await gateway.runner.run(Turn(path, body, conversation_id, turn_id, pause=pause))
+        if tenant:
+            # Prefix caches (and so reuse) are never shared across tenants.
+            body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
+        pause = _record_pause(gateway, headers)
+        turn = Turn(path, body, conversation_id, turn_id, pause=pause, tenant=tenant)
+        return await gateway.runner.run(turn)
     except GatewayError as error:
         if error.status >= 500:
             logger.warning("turn failed: %s", error.message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import secrets
@@ -194,8 +195,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         decode=endpoints(args.decode, args.decode_control),
         **{name: getattr(args, name) for name in _GATEWAY_TUNABLES},
     )
+    if config.api_keys.open and not _loopback(args.host) and not args.allow_open:
+        raise SystemExit(
+            f"kvturn serve: refusing to listen on {args.host} without API keys (anyone who "
+            "can reach it could use and end every conversation); set KVTURN_API_KEYS or "
+            "KVTURN_API_KEYS_FILE, or pass --allow-open"
+        )
     serve(config, host=args.host, port=args.port)
     return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -246,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--allow-open", action="store_true",
+        help="listen on a non-loopback address without API keys (anyone may call)",
+    )  # fmt: skip
     for name, (kind, text) in _GATEWAY_TUNABLES.items():
         flag = "--" + name.replace("_", "-")
         srv.add_argument(

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvturn.gateway.auth import ApiKeys
+
 #: The shared secret of the engines' kvturn control channel (the connector reads the same name).
 CONTROL_SECRET_ENV = "KVTURN_CONTROL_SECRET"
+#: A file of API keys (``key tenant`` per line); ``KVTURN_API_KEYS`` holds more inline.
+API_KEYS_FILE_ENV = "KVTURN_API_KEYS_FILE"
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class GatewayConfig:
     publish_wait_s: float = 0.5
     #: The secret decode engines' kvturn control servers require (``KVTURN_CONTROL_SECRET``).
     control_secret: str | None = field(default=None, repr=False)
+    #: The API keys callers must present, each naming a tenant (none: the gateway is open).
+    api_keys: ApiKeys = field(default_factory=ApiKeys, repr=False)
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
@@ -74,6 +80,9 @@ class GatewayConfig:
         secret = os.environ.get(CONTROL_SECRET_ENV)
         if secret:
             env["control_secret"] = secret
+        keys = ApiKeys.load(os.environ.get(API_KEYS_FILE_ENV), os.environ)
+        if not keys.open:
+            env["api_keys"] = keys
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class Conversation:
+    #: Its key in the table and on decode: the id scoped to the caller's tenant.
+    key: str
+    #: The id as the client gave it.
     conversation_id: str
     #: URL of the decode engine that holds the KV of the last turn, if any.
     holder_url: str | None = None
@@ -47,27 +50,29 @@ class ConversationStore:
         self._max = max_conversations
         self.clock = clock
 
-    def get(self, conversation_id: str) -> Conversation | None:
-        conversation = self._items.get(conversation_id)
+    def get(self, key: str) -> Conversation | None:
+        conversation = self._items.get(key)
         if conversation is not None:
-            self._items.move_to_end(conversation_id)
+            self._items.move_to_end(key)
         return conversation
 
-    def peek(self, conversation_id: str) -> Conversation | None:
+    def peek(self, key: str) -> Conversation | None:
         """The entry, without marking it recently used."""
-        return self._items.get(conversation_id)
+        return self._items.get(key)
 
-    def get_or_create(self, conversation_id: str) -> Conversation:
-        conversation = self.get(conversation_id)
+    def get_or_create(self, key: str, conversation_id: str | None = None) -> Conversation:
+        """The entry under ``key`` (tenant-scoped), made for ``conversation_id`` (the client's
+        id; the key itself where there are no tenants) if there is none."""
+        conversation = self.get(key)
         if conversation is None:
-            conversation = Conversation(conversation_id, last_seen=self.clock())
-            self._items[conversation_id] = conversation
+            conversation = Conversation(key, conversation_id or key, last_seen=self.clock())
+            self._items[key] = conversation
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
         return conversation
 
-    def remove(self, conversation_id: str) -> Conversation | None:
-        return self._items.pop(conversation_id, None)
+    def remove(self, key: str) -> Conversation | None:
+        return self._items.pop(key, None)
 
     def record_retained(
         self,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import orjson
 
 from kvturn import headers as h
+from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.conversations import Conversation, ConversationStore
@@ -52,10 +52,6 @@ _GONE_REASONS = {
 
 #: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
 RECOMPUTE_PARAMS = PREFILL_FOR_REMOTE_DECODE
-#: Decode request ids: unique per gateway process (random) and per request (a counter); cheaper
-#: than a uuid4 per turn. They key what decode publishes about the KV it retains.
-_RUN_ID = os.urandom(8).hex()
-_REQUEST_SEQ = itertools.count()
 #: Sampling fields that only matter for the reply, dropped from the prefill request.
 _DECODE_ONLY_FIELDS = ("max_completion_tokens", "stream_options", "min_tokens", "n")
 
@@ -72,6 +68,8 @@ class Turn:
     started: float = field(default_factory=time.perf_counter)
     #: The pause the client reported before this turn: (kind, milliseconds).
     pause: tuple[str, float] | None = None
+    #: The caller's tenant (``""`` on an open gateway): conversations are its own.
+    tenant: str = ""
 
     @property
     def stream(self) -> bool:
@@ -123,7 +121,11 @@ class TurnRunner:
                 choices_per_prompt=int(turn.body.get("n") or 1),
             )
         conversation = (
-            self.store.get_or_create(turn.conversation_id) if turn.conversation_id else None
+            self.store.get_or_create(
+                scoped_key(turn.tenant, turn.conversation_id), turn.conversation_id
+            )
+            if turn.conversation_id
+            else None
         )
         if conversation is not None and self.store.note_turn(conversation, turn.turn_id):
             self.metrics.turn_retries.inc()
@@ -293,12 +295,14 @@ class TurnRunner:
         self, turn: Turn, conversation: Conversation | None, prefilled: PrefillResult
     ) -> Reply:
         instance = self.decode.choose(prefer=conversation.holder_url if conversation else None)
-        request_id = f"kvturn-{_RUN_ID}-{next(_REQUEST_SEQ)}"
+        # 128 random bits: the reply's id is made of it (no turn counter shows through), and
+        # decode publishes the KV it retains under it.
+        request_id = f"kvturn-{os.urandom(16).hex()}"
         body = dict(turn.body)
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
         # once: a turn without a conversation never comes back for it).
-        params[CONVERSATION_PARAM] = conversation.conversation_id if conversation else None
+        params[CONVERSATION_PARAM] = conversation.key if conversation else None
         params[LEASE_PARAM] = self.config.lease_s
         if turn.pause is not None:
             params[PAUSE_PARAM] = list(turn.pause)
@@ -394,7 +398,7 @@ class TurnRunner:
                 )
             if retained is None or holder is None:
                 self.store.forget_kv(conversation)
-            elif self.store.peek(conversation.conversation_id) is not conversation:
+            elif self.store.peek(conversation.key) is not conversation:
                 # Released (or forgotten) while this turn ran: nobody will come back for it.
                 assert holder.control_url is not None
                 await self.leases.release(holder.control_url, request_id)

@@ -20,7 +20,9 @@ Scope = dict[str, Any]
 
 _RETAINED: dict[str, dict[str, Any]] = {}
 _THROTTLED: set[str] = set()
-_COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0}
+COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0}
+#: The ``cache_salt`` of the last prefill and the last decode request (tenant isolation tests).
+LAST_CACHE_SALT: dict[str, str | None] = {"prefill": None, "decode": None}
 _PROMPT_TOKENS = 1000
 _METRICS = "".join(
     f'# TYPE vllm:{name} gauge\nvllm:{name}{{engine="0",model_name="fake"}} 0.0\n'
@@ -83,11 +85,14 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": data})
         return
     if path == "/fake/counts":
-        await _send_json(send, 200, _COUNTS)
+        await _send_json(send, 200, COUNTS)
         return
     if path.startswith("/kvturn/retained/"):
         found = _RETAINED.get(path.rsplit("/", 1)[1])
         await _send_json(send, 200 if found else 404, found or {"error": "none"})
+        return
+    if path == "/kvturn/wake" and scope["method"] == "POST":
+        await _send_json(send, 200, {})
         return
     if path.startswith("/kvturn/leases"):
         await _lease_route(scope, path, receive, send)
@@ -106,7 +111,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
             return
     params = body.get("kv_transfer_params") or {}
     if params.get("do_remote_decode"):
-        _COUNTS["prefill"] += 1
+        COUNTS["prefill"] += 1
+        LAST_CACHE_SALT["prefill"] = body.get("cache_salt")
         reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8
         answer = _completion("prefill")
         answer["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
@@ -117,7 +123,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         }  # fmt: skip
         await _send_json(send, 200, answer)
         return
-    _COUNTS["decode"] += 1
+    COUNTS["decode"] += 1
+    LAST_CACHE_SALT["decode"] = body.get("cache_salt")
     request_id = dict(scope["headers"]).get(b"x-request-id", b"none").decode()
     _RETAINED[request_id] = {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
@@ -155,14 +162,14 @@ async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None
     key = parts[2]
     if method == "DELETE":
         released = _RETAINED.pop(key, None) is not None
-        _COUNTS["releases"] = _COUNTS.get("releases", 0) + released
+        COUNTS["releases"] = COUNTS.get("releases", 0) + released
         await _send_json(send, 200, {"released": released})
         return
     found = _RETAINED.get(key)
     if found is None:
         await _send_json(send, 404, {"error": "no live lease", "reason": "unknown"})
     elif parts[-1] == "claim":
-        _COUNTS["claims"] = _COUNTS.get("claims", 0) + 1
+        COUNTS["claims"] = COUNTS.get("claims", 0) + 1
         await _send_json(send, 200, _RETAINED.pop(key))
     else:
         lease_s = float(json.loads(await _read(receive) or b"{}").get("lease_s", 0))
@@ -189,7 +196,7 @@ async def _slow_stream(
                         "body": f"data: {json.dumps(chunk)}\n\n".encode()})  # fmt: skip
             await asyncio.sleep(0.02)
             if gone.done():
-                _COUNTS["abandoned"] += 1
+                COUNTS["abandoned"] += 1
                 return
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
     finally:

@@ -11,7 +11,11 @@ Allowed differences, and why (the whole list):
   computing from KV another computed, rounds differently in the last digits;
 - how a stream is cut into chunks: the engine merges tokens into one chunk when its reader
   lags, so streams are compared by what they say once reassembled, and by the set of field
-  paths their chunks carry (a field dropped anywhere fails).
+  paths their chunks carry (a field dropped anywhere fails);
+- a request the gateway refuses at its edge (a field it reads is missing or of the wrong
+  shape: ``kvturn/gateway/validation.py``) gets the engine's status with the gateway's own
+  OpenAI-shaped error naming the field, not vLLM's text (refused before any engine work, so
+  no lease is claimed and no prefill runs for it).
 """
 
 from __future__ import annotations
@@ -78,6 +82,13 @@ class Case:
     #: Sent with a fresh cache salt to the engine (the generating routes).
     salted: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Refused by the gateway's edge validation: the field its error must name.
+    edge: str | None = None
+
+
+def _edge(case: Case, param: str) -> Case:
+    case.edge = param
+    return case
 
 
 def _user(text: str) -> list[dict[str, Any]]:
@@ -197,8 +208,11 @@ CASES = [
         tool_choice={"type": "function", "function": {"name": "nope"}},
     ),
     _chat("chat-error-unknown-model", model="no-such-model"),
-    _chat("chat-error-empty-messages", messages=[]),
-    _chat("chat-error-no-messages", messages=None),
+    _edge(_chat("chat-error-empty-messages", messages=[]), "messages"),
+    _edge(_chat("chat-error-no-messages", messages=None), "messages"),
+    _edge(_chat("chat-error-messages-not-objects", messages=[1, 2]), "messages.0"),
+    _edge(_chat("chat-error-tools-not-a-list", tools="x"), "tools"),
+    _edge(_chat("chat-error-negative-max-tokens", max_tokens=-1), "max_tokens"),
     # completions
     _completion("completion"),
     _completion("completion-stream", stream=True),
@@ -229,7 +243,7 @@ CASES = [
     _completion("completion-batch3-echo-stream", stream=True, prompt=_PROMPTS_3, echo=True),
     _completion("completion-error-batch-too-long", prompt=["short", long_prompt(21000)]),
     _completion("completion-error-n2-greedy", n=2),
-    _completion("completion-error-no-prompt", prompt=None),
+    _edge(_completion("completion-error-no-prompt", prompt=None), "prompt"),
     # vLLM's utility routes
     Case("models", "/v1/models", {}, method="GET", salted=False),
     Case("version", "/version", {}, method="GET", salted=False),
@@ -252,6 +266,11 @@ def test_gateway_answers_as_one_engine_alone(local_pair: LocalPair, case: Case) 
 
     assert via_gateway.status_code == alone.status_code, (via_gateway.text, alone.text)
     assert _media_type(via_gateway) == _media_type(alone)
+    if case.edge is not None:
+        error = orjson.loads(via_gateway.content)["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == case.edge, error
+        assert "error" in orjson.loads(alone.content)
+        return
     if _media_type(alone).startswith("text/event-stream"):
         _assert_same_stream(via_gateway.text, alone.text)
     elif _media_type(alone).startswith("application/json"):

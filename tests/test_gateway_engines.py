@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from kvturn import control
+from kvturn.gateway.auth import ApiKeys
 from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
 from kvturn.gateway.server import GatewayThread
@@ -169,6 +170,36 @@ def test_non_streamed_turns_reuse_too(local_pair: LocalPair) -> None:
     assert second.reused_tokens >= 0.9 * (first.prompt_tokens + first.completion_tokens)
     _assert_same_answer(local_pair, second, messages)
     reads.wait_for(1, min_bytes=second.reused_tokens * KV_BYTES_PER_TOKEN)
+
+
+def test_tenants_reuse_their_own_kv_and_never_anothers(local_pair: LocalPair) -> None:
+    """With API keys, each tenant's turns carry its own cache salt: a tenant's second turn still
+    pulls its history (the salt is the same on both ends of the transfer), the answer is
+    unchanged, and another tenant using the same conversation id gets none of it."""
+    keys = ApiKeys([("sk-alpha-0123456789abcdef", "alpha"), ("sk-beta-0123456789abcdef", "beta")])
+    with running_gateway(_pair_config(local_pair, api_keys=keys)) as gateway:
+        alpha = openai.OpenAI(
+            base_url=gateway.url + "/v1", api_key="sk-alpha-0123456789abcdef", max_retries=0
+        )
+        beta = openai.OpenAI(
+            base_url=gateway.url + "/v1", api_key="sk-beta-0123456789abcdef", max_retries=0
+        )
+        conversation = f"shared-{uuid.uuid4().hex[:8]}"
+        reads = NixlReads(local_pair.prefill_url)
+        messages = _opening("tide pools", 800)
+        first = run_turn(alpha, local_pair.model, messages, conversation)
+        messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
+        # Beta sends alpha's exact history under alpha's id: a first turn of its own.
+        intruder = run_turn(beta, local_pair.model, messages, conversation)
+        assert intruder.plan == "recompute" and intruder.reused_tokens == 0
+        _assert_same_answer(local_pair, intruder, messages)
+        second = run_turn(alpha, local_pair.model, messages, conversation)
+        assert second.plan == "pull-reuse"
+        assert second.reused_tokens >= 0.9 * (first.prompt_tokens + first.completion_tokens)
+        _assert_same_answer(local_pair, second, messages)
+        reads.wait_for(1, min_bytes=second.reused_tokens * KV_BYTES_PER_TOKEN)
+        for client in (alpha, beta):
+            client.delete(control.release_path(conversation), cast_to=httpx.Response)
 
 
 def _common_prefix_tokens(pair: LocalPair, a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
@@ -332,10 +363,10 @@ def test_completions_reuse_across_turns(local_pair: LocalPair) -> None:
         # The gateway's own: it must read the body.
         (b"{not json", 400, None),
         (b"[]", 400, None),
+        (b'{"model": "tiny", "messages": []}', 400, "messages"),
         # The engine's, passed on unchanged (tests/test_differential.py compares more).
         (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404,
          "model"),
-        (b'{"model": "tiny", "messages": []}', 400, None),
     ],
 )  # fmt: skip
 def test_bad_requests_get_openai_errors(

@@ -70,3 +70,26 @@ def test_decode_kv_blocks_caps_only_the_decodes(tmp_path: Path) -> None:
     assert command[command.index("--num-gpu-blocks-override") + 1] == "40"
     # A request must fit in the blocks: 39 blocks of 128 tokens (vLLM keeps one as its null block).
     assert command[command.index("--max-model-len") + 1] == "4992"
+
+
+def test_serve_refuses_an_open_gateway_on_a_public_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvturn.gateway import cli
+
+    monkeypatch.delenv("KVTURN_API_KEYS", raising=False)
+    monkeypatch.delenv("KVTURN_API_KEYS_FILE", raising=False)
+    served: list[tuple[GatewayConfig, str]] = []
+    monkeypatch.setattr(
+        "kvturn.gateway.server.serve", lambda config, host, port: served.append((config, host))
+    )
+    base = ["serve", "--prefill", "http://p", "--decode", "http://d"]
+    with pytest.raises(SystemExit, match="without API keys"):
+        cli.main([*base, "--host", "0.0.0.0"])
+    assert not served
+    cli.main([*base, "--host", "0.0.0.0", "--allow-open"])
+    cli.main([*base, "--host", "::1"])
+    monkeypatch.setenv("KVTURN_API_KEYS", "sk-0123456789abcdef=team")
+    cli.main([*base, "--host", "0.0.0.0"])
+    assert [host for _, host in served] == ["0.0.0.0", "::1", "0.0.0.0"]
+    assert served[-1][0].api_keys.tenants == {"team"}

@@ -1,0 +1,231 @@
+"""Callers authenticated, conversations bound to their tenant, requests checked at the edge:
+the gateway against a fake engine, through the official openai client where a client would."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvturn import control
+from kvturn.gateway.auth import ApiKeys, scoped_key, tenant_salt
+from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.server import GatewayThread
+from tests import fake_engine
+from tests.gateway_fixtures import metric, running_fake_engine, running_gateway
+
+KEY_A = "sk-tenant-a-0123456789abcdef"
+KEY_B = "sk-tenant-b-0123456789abcdef"
+MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    with running_fake_engine() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def gateway(fake_url: str) -> Iterator[GatewayThread]:
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]),
+        decode=endpoints([fake_url], [fake_url]),
+        api_keys=ApiKeys([(KEY_A, "alpha"), (KEY_B, "beta")]),
+    )
+    with running_gateway(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def open_gateway(fake_url: str) -> Iterator[str]:
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as running:
+        yield running.url
+
+
+def _client(gateway: GatewayThread, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+
+
+def _turn(client: openai.OpenAI, conversation_id: str) -> str:
+    raw = client.chat.completions.with_raw_response.create(
+        model="fake", messages=MESSAGES, extra_headers={"X-Conversation-Id": conversation_id}
+    )
+    return raw.headers["x-kvturn-plan"]
+
+
+# ---- authentication -------------------------------------------------------------------------
+
+
+def test_every_route_but_health_needs_a_valid_key(gateway: GatewayThread) -> None:
+    url = gateway.url
+    calls = [
+        ("POST", "/v1/chat/completions", {"model": "fake", "messages": MESSAGES}),
+        ("POST", "/v1/completions", {"model": "fake", "prompt": "hi"}),
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+        ("POST", "/v1" + control.heartbeat_path("c"), {}),
+        ("DELETE", "/v1" + control.release_path("c"), None),
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("GET", "/version", None),
+    ]
+    for auth in (None, "Bearer wrong-key-0123456789abcdef", f"Basic {KEY_A}", KEY_A):
+        headers = {"Authorization": auth} if auth else {}
+        for method, path, body in calls:
+            response = httpx.request(method, url + path, json=body, headers=headers)
+            assert response.status_code == 401, (auth, path)
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    assert httpx.get(url + "/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        _client(gateway, "sk-not-a-key-0123456789").chat.completions.create(
+            model="fake", messages=MESSAGES
+        )
+    assert _client(gateway, KEY_A).models.list().data[0].id == "fake"
+
+
+def test_a_tenant_cannot_see_renew_release_or_reuse_anothers_conversation(
+    gateway: GatewayThread,
+) -> None:
+    alpha, beta = _client(gateway, KEY_A), _client(gateway, KEY_B)
+    assert _turn(alpha, "shared-name") == "recompute"
+    # Beta, knowing the id: its heartbeat and release find nothing (as for an unknown id) ...
+    for client in (beta,):
+        beat = client.post(
+            control.heartbeat_path("shared-name"), cast_to=httpx.Response, body={}
+        ).json()
+        assert beat == {**beat, "known": False, "lease_remaining_s": 0.0}
+        unknown = client.post(
+            control.heartbeat_path("never-used"), cast_to=httpx.Response, body={}
+        ).json()
+        assert {k: v for k, v in beat.items() if k != "conversation_id"} == {
+            k: v for k, v in unknown.items() if k != "conversation_id"
+        }  # no existence oracle
+        released = client.delete(control.release_path("shared-name"), cast_to=httpx.Response)
+        assert released.json()["released"] is False
+    # ... and its turn under that id is a first turn of its own, reusing nothing of alpha's.
+    assert _turn(beta, "shared-name") == "recompute"
+    store = gateway.app.state.gateway.store
+    assert store.peek(scoped_key("alpha", "shared-name")) is not None
+    assert store.peek(scoped_key("beta", "shared-name")) is not None
+    # Alpha's conversation is untouched: its next turn still reuses its own KV.
+    assert _turn(alpha, "shared-name") == "pull-reuse"
+    assert _turn(beta, "shared-name") == "pull-reuse"
+    assert alpha.delete(control.release_path("shared-name"), cast_to=httpx.Response).json()[
+        "released"
+    ]
+    assert store.peek(scoped_key("beta", "shared-name")) is not None
+
+
+def test_engines_get_a_cache_salt_per_tenant(gateway: GatewayThread) -> None:
+    salts = {}
+    for name, key in (("alpha", KEY_A), ("beta", KEY_B)):
+        _client(gateway, key).chat.completions.create(model="fake", messages=MESSAGES)
+        salts[name] = fake_engine.LAST_CACHE_SALT["prefill"]
+        assert fake_engine.LAST_CACHE_SALT["decode"] == salts[name]
+    assert salts["alpha"] and salts["beta"] and salts["alpha"] != salts["beta"]
+    # A salt the client sends separates its own requests further, inside its tenant's.
+    _client(gateway, KEY_A).chat.completions.create(
+        model="fake", messages=MESSAGES, extra_body={"cache_salt": "mine"}
+    )
+    assert fake_engine.LAST_CACHE_SALT["prefill"] == f"{salts['alpha']}:mine"
+    assert tenant_salt("", "mine") == "mine" and tenant_salt("", None) is None
+
+
+def test_keys_parse_from_a_file_or_the_environment(tmp_path: Any) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"# key tenant\n{KEY_A} alpha\n\n")
+    keys = ApiKeys.load(str(keys_file), {"KVTURN_API_KEYS": f"{KEY_B}=beta"})
+    assert keys.tenants == {"alpha", "beta"}
+    assert keys.tenant(f"Bearer {KEY_B}") == "beta"
+    assert ApiKeys().open and ApiKeys().tenant(None) == ""
+    for bad in ("short beta", f"{KEY_A}", f"{KEY_A} bad/tenant"):
+        with pytest.raises(ValueError):
+            ApiKeys.parse(bad)
+
+
+# ---- requests checked at the edge ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"stream": "false"}, "stream"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": "ten"}, "max_tokens"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"n": 0}, "n"),
+        ({"messages": [1, 2]}, "messages.0"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+        ({"tools": "x"}, "tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"stream_options": "yes"}, "stream_options"),
+    ],
+)
+def test_fields_the_gateway_reads_are_checked(
+    open_gateway: str, change: dict[str, Any], param: str
+) -> None:
+    body = {"model": "fake", "messages": MESSAGES, **change}
+    before = fake_engine.COUNTS["prefill"]
+    response = httpx.post(open_gateway + "/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert fake_engine.COUNTS["prefill"] == before  # refused before any engine work
+
+
+@pytest.mark.parametrize(
+    "prompt", [None, [], [[]], [1, "a"], {"text": "x"}, [[1], "a"], True], ids=repr
+)
+def test_completion_prompts_are_checked(open_gateway: str, prompt: Any) -> None:
+    response = httpx.post(
+        open_gateway + "/v1/completions", json={"model": "fake", "prompt": prompt}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith("prompt")
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(open_gateway: str) -> None:
+    orjson_messages = json.dumps(MESSAGES)
+    for depth in (300, 1000, 5000):
+        nested = "[" * depth + "]" * depth
+        content = f'{{"model": "fake", "messages": {orjson_messages}, "x": {nested}}}'
+        response = httpx.post(open_gateway + "/v1/chat/completions", content=content.encode())
+        assert response.status_code == 400, depth
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(open_gateway + "/health").status_code == 200
+
+
+def test_bad_pause_headers_are_ignored(open_gateway: str) -> None:
+    count = 'kvturn_client_pause_seconds_count{kind="tool"}'
+    total = 'kvturn_client_pause_seconds_sum{kind="tool"}'
+    before = metric(open_gateway + "/metrics", count)
+    for value in ("nan", "inf", "-inf", "-5", "1e400", "ten"):
+        response = httpx.post(
+            open_gateway + "/v1/chat/completions",
+            json={"model": "fake", "messages": MESSAGES},
+            headers={"X-Kvturn-Pause-Ms": value, "X-Kvturn-Pause-Kind": "tool"},
+        )
+        assert response.status_code == 200, value
+    assert metric(open_gateway + "/metrics", count) == before
+    assert math.isfinite(metric(open_gateway + "/metrics", total))
+
+
+def test_response_ids_are_opaque(open_gateway: str) -> None:
+    ids = [
+        httpx.post(
+            open_gateway + "/v1/chat/completions", json={"model": "fake", "messages": MESSAGES}
+        ).json()["id"]
+        for _ in range(3)
+    ]
+    # No run id shared between replies, no counter: 128 random bits each.
+    assert all(re.fullmatch(r"chatcmpl-kvturn-[0-9a-f]{32}", i) for i in ids), ids
+    assert len({i[-32:-8] for i in ids}) == 3
