@@ -4,7 +4,8 @@
 
 It speaks the same protocol as ``tests/fake_engine.py`` (prefill when the request carries
 ``do_remote_decode``, otherwise decode, streamed or not; what decode "retains" is published on
-``/kvturn/retained/{X-Request-Id}`` like the kvturn connector; ``/metrics`` like one vLLM
+``/kvturn/retained/{X-Request-Id}`` and answers claims, renewals and releases of it like the
+kvturn connector; ``/metrics`` like one vLLM
 engine; ``/fake/counts``), but as a bare asyncio protocol on uvloop with httptools and
 pre-encoded answers, so that one request costs it a few tens of microseconds. Against the
 ASGI fake the fake itself was the bottleneck (about 2,700 P/D exchanges/s on these 2 cores),
@@ -103,6 +104,25 @@ def _retained(request_id: bytes) -> bytes:
     })  # fmt: skip
 
 
+_OK = _response(200, b"{}")
+_GONE = _response(404, b'{"error":"no live lease","reason":"unknown"}')
+
+
+def _lease_answer(method: bytes, path: bytes) -> bytes:
+    """The connector's lease routes, as the gateway uses them: a claim takes the retained KV
+    (single use), a renew answers a fresh lease, a DELETE frees it, a wake is a no-op."""
+    parts = path.strip(b"/").split(b"/")
+    if len(parts) < 3:  # /kvturn/wake, /kvturn/leases
+        return _OK
+    key = parts[2]
+    if method == b"DELETE":
+        return _response(200, b'{"released":%s}' % (b"true" if _RETAINED.pop(key, 0) else b"false"))
+    if parts[-1] == b"claim":
+        found = _RETAINED.pop(key, None)
+        return _response(200, found) if found else _GONE
+    return _response(200, b'{"expires_in_s":300.0}') if key in _RETAINED else _GONE
+
+
 class FakeEngine(asyncio.Protocol):
     """Answers each request as soon as it is complete (in order, so pipelining works)."""
 
@@ -156,6 +176,8 @@ class FakeEngine(asyncio.Protocol):
                 found = _RETAINED.get(path.rsplit(b"/", 1)[1])
                 return _response(200, found) if found else _NOT_FOUND
             return _NOT_FOUND
+        if path.startswith(b"/kvturn/"):
+            return _lease_answer(method, path)
         if method != b"POST":
             return _NOT_FOUND
         request = orjson.loads(b"".join(self.body))

@@ -46,7 +46,9 @@ class Gateway:
         self.config = config
         self.prefill = Pool("prefill", config.prefill)
         self.decode = Pool("decode", config.decode)
-        self.upstream = Upstream(config.connect_timeout_s, config.request_timeout_s)
+        self.upstream = Upstream(
+            config.connect_timeout_s, config.request_timeout_s, config.engine_api_key
+        )
         self.store = ConversationStore(config.max_conversations)
         self.metrics = GatewayMetrics()
         self.runner = TurnRunner(
@@ -54,6 +56,7 @@ class Gateway:
         )
         self.models: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def refresh_models(self) -> None:
         for instance in self.prefill.healthy():
@@ -79,16 +82,33 @@ class Gateway:
                 [self.prefill, self.decode], self.upstream, self.config.health_interval_s
             )
         )
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        """Forget conversations that can no longer come back for their KV, a bounded batch a
+        second: no turn pays for the table's size. An entry leaves once its lease lapsed and
+        nothing touched it for longer than a turn may run plus a lease."""
+        idle_s = self.config.request_timeout_s + self.config.lease_s
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            forgotten = self.store.sweep(idle_s, SWEEP_BUDGET)
+            if forgotten:
+                self.metrics.conversations_forgotten.inc(forgotten)
 
     async def stop(self) -> None:
-        health, self._health = self._health, None
-        if health is not None:
-            health.cancel()
+        tasks = [t for t in (self._health, self._sweeper) if t is not None]
+        self._health = self._sweeper = None
+        for task in tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await health
+                await task
         await self.runner.close()
         await self.upstream.close()
 
+
+#: How often idle conversations are swept from the table, and at most how many per sweep.
+SWEEP_INTERVAL_S = 1.0
+SWEEP_BUDGET = 2000
 
 #: The turn endpoints.
 TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -179,7 +199,9 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
+        # Counted here, at scrape time (O(table)), never per turn.
         gateway.metrics.live_conversations.set(gateway.store.live_count())
+        gateway.metrics.conversations.set(len(gateway.store))
         await _scrape_decode_leases(gateway)
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -11,6 +11,8 @@ from kvturn.gateway.auth import ApiKeys
 CONTROL_SECRET_ENV = "KVTURN_CONTROL_SECRET"
 #: A file of API keys (``key tenant`` per line); ``KVTURN_API_KEYS`` holds more inline.
 API_KEYS_FILE_ENV = "KVTURN_API_KEYS_FILE"
+#: The engines' API key: vLLM's own variable, so ``kvturn up``'s engines and gateway share it.
+ENGINE_API_KEY_ENV = "VLLM_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class GatewayConfig:
     control_secret: str | None = field(default=None, repr=False)
     #: The API keys callers must present, each naming a tenant (none: the gateway is open).
     api_keys: ApiKeys = field(default_factory=ApiKeys, repr=False)
+    #: The engines' own API key (vLLM's ``--api-key``), sent on every engine request; from
+    #: ``VLLM_API_KEY``, the variable the engines themselves read.
+    engine_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
@@ -80,6 +85,9 @@ class GatewayConfig:
         secret = os.environ.get(CONTROL_SECRET_ENV)
         if secret:
             env["control_secret"] = secret
+        engine_key = os.environ.get(ENGINE_API_KEY_ENV)
+        if engine_key:
+            env["engine_api_key"] = engine_key
         keys = ApiKeys.load(os.environ.get(API_KEYS_FILE_ENV), os.environ)
         if not keys.open:
             env["api_keys"] = keys

@@ -51,9 +51,11 @@ class ConversationStore:
         self.clock = clock
 
     def get(self, key: str) -> Conversation | None:
+        """The entry, marked used now (a turn or a heartbeat)."""
         conversation = self._items.get(key)
         if conversation is not None:
             self._items.move_to_end(key)
+            conversation.last_seen = self.clock()
         return conversation
 
     def peek(self, key: str) -> Conversation | None:
@@ -115,6 +117,24 @@ class ConversationStore:
             return 0.0
         conversation.lease_expires_at = now + expires_in_s
         return max(0.0, expires_in_s)
+
+    def sweep(self, idle_s: float, budget: int) -> int:
+        """Forget, least recently used first, entries with no live KV that nothing has touched
+        for ``idle_s``; stop at the first entry that must stay, or after ``budget`` entries
+        (bounded work, whatever the table's size). Returns how many were forgotten."""
+        now = self.clock()
+        forgotten = 0
+        while forgotten < budget and self._items:
+            conversation = next(iter(self._items.values()))
+            if (
+                conversation.lease_expires_at > now
+                or conversation.settling is not None
+                or now - conversation.last_seen < idle_s
+            ):
+                break
+            self._items.popitem(last=False)
+            forgotten += 1
+        return forgotten
 
     def live_count(self) -> int:
         now = self.clock()

@@ -44,6 +44,13 @@ class GatewayMetrics:
         )  # fmt: skip
         self.heartbeats = Counter("kvturn_heartbeats", "Heartbeats received", registry=r)
         self.releases = Counter("kvturn_releases", "Conversations released", registry=r)
+        self.conversations_forgotten = Counter(
+            "kvturn_conversations_forgotten",
+            "Idle conversations with no live KV dropped from the table", registry=r,
+        )  # fmt: skip
+        self.conversations = Gauge(
+            "kvturn_conversations", "Conversations in the table (live KV or not)", registry=r
+        )
         self.pauses = Histogram(
             "kvturn_client_pause_seconds", "Pauses before turns reported by clients", ["kind"],
             buckets=_PAUSE_BUCKETS, registry=r,

@@ -24,10 +24,15 @@ class UpstreamUnavailable(Exception):
 class Upstream:
     """One connection-pooling client for every engine."""
 
-    def __init__(self, connect_timeout_s: float, request_timeout_s: float):
+    def __init__(
+        self, connect_timeout_s: float, request_timeout_s: float, api_key: str | None = None
+    ):
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
         self._client: HttpClient | None = None
+        #: The engines' API key (vLLM's ``--api-key``), sent on every engine request.
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._json = {**_JSON, **self._auth}
 
     async def start(self) -> None:
         self._client = HttpClient(self._connect_timeout_s, self._request_timeout_s)
@@ -46,7 +51,7 @@ class Upstream:
         self, url: str, body: Any, headers: Mapping[str, str] | None = None
     ) -> Response:
         try:
-            return await self.client.request("POST", url, orjson.dumps(body), _json(headers))
+            return await self.client.request("POST", url, orjson.dumps(body), self._with(headers))
         except HttpError as error:
             raise UpstreamUnavailable(f"{url}: {error}") from error
 
@@ -54,15 +59,17 @@ class Upstream:
         self, method: str, url: str, body: bytes, content_type: str | None
     ) -> Response:
         """A request passed on as it came (the engine routes the gateway only relays)."""
-        headers = {"content-type": content_type} if content_type else None
+        headers = {**self._auth, "content-type": content_type} if content_type else self._auth
         try:
-            return await self.client.request(method, url, body or None, headers)
+            return await self.client.request(method, url, body or None, headers or None)
         except HttpError as error:
             raise UpstreamUnavailable(f"{url}: {error}") from error
 
     async def get(self, url: str, timeout_s: float | None = None) -> Response:
         try:
-            return await self.client.request("GET", url, timeout_s=timeout_s)
+            return await self.client.request(
+                "GET", url, headers=self._auth or None, timeout_s=timeout_s
+            )
         except HttpError as error:
             raise UpstreamUnavailable(f"{url}: {error}") from error
 
@@ -77,9 +84,13 @@ class Upstream:
     ) -> StreamResponse:
         """POST and return the response once its headers arrived; the caller must close it."""
         try:
-            return await self.client.open("POST", url, orjson.dumps(body), _json(headers))
+            return await self.client.open("POST", url, orjson.dumps(body), self._with(headers))
         except HttpError as error:
             raise UpstreamUnavailable(f"{url}: {error}") from error
+
+    def _with(self, extra: Mapping[str, str] | None) -> Mapping[str, str]:
+        """JSON content type, the engines' key, and ``extra``."""
+        return {**self._json, **extra} if extra else self._json
 
 
 async def next_chunk(stream: StreamResponse) -> bytes | None:
@@ -88,7 +99,3 @@ async def next_chunk(stream: StreamResponse) -> bytes | None:
         return await stream.next_chunk()
     except HttpError as error:
         raise UpstreamUnavailable(str(error)) from error
-
-
-def _json(extra: Mapping[str, str] | None) -> Mapping[str, str]:
-    return {**_JSON, **extra} if extra else _JSON

@@ -21,6 +21,8 @@ Scope = dict[str, Any]
 _RETAINED: dict[str, dict[str, Any]] = {}
 _THROTTLED: set[str] = set()
 COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0}
+#: When set, /v1 POSTs need ``Authorization: Bearer <this>`` (as vLLM's ``--api-key``).
+REQUIRED_KEY: str | None = None
 #: The ``cache_salt`` of the last prefill and the last decode request (tenant isolation tests).
 LAST_CACHE_SALT: dict[str, str | None] = {"prefill": None, "decode": None}
 _PROMPT_TOKENS = 1000
@@ -99,6 +101,11 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         return
     if scope["method"] != "POST":
         await _send_json(send, 404, {"error": "not found"})
+        return
+    authorization = dict(scope["headers"]).get(b"authorization")
+    if REQUIRED_KEY is not None and authorization != f"Bearer {REQUIRED_KEY}".encode():
+        await _send_json(send, 401, {"error": {"message": "Unauthorized", "type": "x",
+                                               "param": None, "code": None}})  # fmt: skip
         return
     body = json.loads(await _read(receive))
     if body.get("fake_delay_ms"):  # lets a test hold requests in flight

@@ -229,3 +229,21 @@ def test_response_ids_are_opaque(open_gateway: str) -> None:
     # No run id shared between replies, no counter: 128 random bits each.
     assert all(re.fullmatch(r"chatcmpl-kvturn-[0-9a-f]{32}", i) for i in ids), ids
     assert len({i[-32:-8] for i in ids}) == 3
+
+
+def test_the_gateway_authenticates_itself_to_the_engines(
+    fake_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fake_engine, "REQUIRED_KEY", "engine-secret")
+    base = {"prefill": endpoints([fake_url]), "decode": endpoints([fake_url], [fake_url])}
+    body = {"model": "fake", "messages": MESSAGES}
+    for stream in (False, True):
+        with running_gateway(GatewayConfig(**base, engine_api_key="engine-secret")) as gateway:
+            response = httpx.post(
+                gateway.url + "/v1/chat/completions", json={**body, "stream": stream}
+            )
+            assert response.status_code == 200, response.text
+    with running_gateway(GatewayConfig(**base)) as gateway:  # without the key: refused
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=body).status_code == 401
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert GatewayConfig.from_env().engine_api_key == "from-env"

@@ -75,3 +75,25 @@ def test_store_is_lru_bounded_and_entries_stay_small() -> None:
     )
     assert size < 1024, size
     assert len(pickle.dumps(conversation)) < 1024
+
+
+def test_sweeps_forget_idle_conversations_in_bounded_batches() -> None:
+    clock = FakeClock()
+    store = ConversationStore(100, clock=clock)
+    for i in range(10):
+        store.get_or_create(f"idle-{i}")
+    held = store.get_or_create("held")
+    store.record_retained(held, "http://d", "r1", 5000, lease_expires_in_s=500)
+    for i in range(3):
+        store.get_or_create(f"late-{i}")
+    clock.now += 100
+    assert store.sweep(idle_s=60, budget=4) == 4  # bounded: four per sweep
+    assert store.sweep(idle_s=60, budget=100) == 6  # then stops at the one with live KV
+    assert store.peek("held") is held and len(store) == 4
+    clock.now += 500  # its lease lapsed and it stayed idle: it goes, and what came after
+    assert store.sweep(idle_s=60, budget=100) == 4 and len(store) == 0
+    # A turn or heartbeat touches an entry: it is used now, and not swept.
+    touched = store.get_or_create("touched")
+    clock.now += 100
+    assert store.get("touched") is touched
+    assert store.sweep(idle_s=60, budget=100) == 0
