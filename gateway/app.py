@@ -200,7 +200,7 @@ def create_app(config: GatewayConfig) -> GatewayApp:
 
     async def metrics(request: Request) -> Response:
         # Counted here, at scrape time (O(table)), never per turn.
-        gateway.metrics.live_conversations.set(gateway.store.live_count())
+        gateway.metrics.live_conversations.set(await gateway.store.live_count())
         gateway.metrics.conversations.set(len(gateway.store))
         await _scrape_decode_leases(gateway)
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -136,9 +136,17 @@ class ConversationStore:
             forgotten += 1
         return forgotten
 
-    def live_count(self) -> int:
+    async def live_count(self, chunk: int = 10_000) -> int:
+        """Conversations whose lease has not lapsed, for a scrape: O(table), so it lets turns
+        run every ``chunk`` entries instead of stalling them for the whole table (about 0.6 s
+        at a million)."""
         now = self.clock()
-        return sum(1 for c in self._items.values() if c.lease_expires_at > now)
+        entries = list(self._items.values())
+        live = 0
+        for start in range(0, len(entries), chunk):
+            live += sum(1 for c in entries[start : start + chunk] if c.lease_expires_at > now)
+            await asyncio.sleep(0)
+        return live
 
     def __len__(self) -> int:
         return len(self._items)
