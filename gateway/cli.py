@@ -178,6 +178,7 @@ _GATEWAY_TUNABLES: dict[str, tuple[type, str]] = {
     "reuse_threshold_tokens": (int, "reuse only when at least this many tokens are held"),
     "max_conversations": (int, "conversations remembered at once (LRU beyond)"),
     "max_body_bytes": (int, "largest request body accepted"),
+    "body_budget_bytes": (int, "request body bytes held at once, all connections (503 past it)"),
     "connect_timeout_s": (float, "engine connect timeout, seconds"),
     "request_timeout_s": (float, "upper bound on one engine request, seconds"),
     "health_interval_s": (float, "engine health-check period, seconds"),

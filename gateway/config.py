@@ -40,6 +40,9 @@ class GatewayConfig:
     #: Conversations remembered at once; the least recently used beyond this are dropped.
     max_conversations: int = 100_000
     max_body_bytes: int = 32 * 1024 * 1024
+    #: Request body bytes held at once (being read or served), all connections together;
+    #: past it, new bodies get a 503 (parsing one costs several times its size in memory).
+    body_budget_bytes: int = 64 * 1024 * 1024
     connect_timeout_s: float = 5.0
     #: Upper bound on one upstream request (prefill, or a whole decode stream).
     request_timeout_s: float = 600.0
@@ -70,7 +73,8 @@ class GatewayConfig:
         env: dict[str, object] = {}
         numeric = {
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
-            "max_conversations": int, "max_body_bytes": int, "connect_timeout_s": float,
+            "max_conversations": int, "max_body_bytes": int, "body_budget_bytes": int,
+            "connect_timeout_s": float,
             "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
         }  # fmt: skip
         for name, kind in numeric.items():

@@ -34,6 +34,14 @@ class BodyTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class ServerBusy(GatewayError):
+    """The gateway turned a request away to protect itself; retrying shortly will work."""
+
+    status = 503
+    type = "server_error"
+    code = "server_busy"
+
+
 class NoHealthyEngine(GatewayError):
     status = 503
     type = "server_error"

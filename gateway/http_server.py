@@ -32,7 +32,13 @@ import httptools
 import orjson
 
 from kvturn.gateway.app import TURN_PATHS, GatewayApp, serve_turn
-from kvturn.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, error_body
+from kvturn.gateway.errors import (
+    BodyTooLarge,
+    GatewayError,
+    InvalidRequest,
+    ServerBusy,
+    error_body,
+)
 from kvturn.gateway.replies import Reply, error_reply
 
 logger = logging.getLogger("kvturn.gateway")
@@ -77,7 +83,7 @@ _date = _Date()
 
 
 class _Request:
-    __slots__ = ("body", "headers", "keep_alive", "method", "refusal", "url", "version")
+    __slots__ = ("body", "headers", "held", "keep_alive", "method", "refusal", "url", "version")
 
     def __init__(self) -> None:
         self.method = ""
@@ -88,6 +94,8 @@ class _Request:
         self.version = "1.1"
         #: (status, message) when the request was refused while it was being read
         self.refusal: tuple[int, str] | None = None
+        #: Body bytes counted against the server's budget until the request is served.
+        self.held = 0
 
 
 class _Connection(asyncio.Protocol):
@@ -130,6 +138,16 @@ class _Connection(asyncio.Protocol):
             self.gone.set_result(None)
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
+        # Bodies that will never be served leave the budget now (the one being served, if
+        # any, leaves it when its worker finishes).
+        self._release(self._body_bytes)
+        self._body_bytes = 0
+        for request in self.pending:
+            self._release(request.held)
+            request.held = 0
+
+    def _release(self, size: int) -> None:
+        self.server.body_bytes_held -= size
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -188,8 +206,14 @@ class _Connection(asyncio.Protocol):
         if self.refused:
             return
         self._body_bytes += len(body)
+        self.server.body_bytes_held += len(body)
         if self._body_bytes > self.server.max_body_bytes:
             self._refuse(413, f"request body is larger than {self.server.max_body_bytes}")
+            return
+        if self.server.body_bytes_held > self.server.body_budget_bytes:
+            # Bodies being read or served, all connections together, are bounded: past the
+            # budget a request is turned away (503: the SDKs retry it), not buffered.
+            self._refuse(503, "the gateway is holding too many request bodies; retry shortly")
             return
         self._body.append(body)
 
@@ -198,6 +222,7 @@ class _Connection(asyncio.Protocol):
             return
         request = self._request
         request.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request.held, self._body_bytes = self._body_bytes, 0
         self._queue(request)
 
     # -- requests in, replies out -------------------------------------------------------------
@@ -211,6 +236,8 @@ class _Connection(asyncio.Protocol):
         """Answer ``status`` after the replies already queued, then close: the rest of
         what the client sent cannot be trusted to start a request."""
         self.refused = True
+        self._release(self._body_bytes)
+        self._body_bytes = 0
         self.transport.pause_reading()
         request = _Request()
         request.keep_alive = False
@@ -236,6 +263,8 @@ class _Connection(asyncio.Protocol):
                     request.keep_alive = False
                 finally:
                     self.busy = False
+                    self._release(request.held)
+                    request.held = 0
                 if not request.keep_alive or self.server.stopping:
                     self.transport.close()
                     return
@@ -250,7 +279,11 @@ class _Connection(asyncio.Protocol):
         if request.refusal is not None:
             status, message = request.refusal
             error: GatewayError = (
-                BodyTooLarge(message) if status == 413 else InvalidRequest(message)
+                BodyTooLarge(message)
+                if status == 413
+                else ServerBusy(message)
+                if status == 503
+                else InvalidRequest(message)
             )
             error.status = status
             self._write_reply(request, error_reply(error))
@@ -464,6 +497,9 @@ class HttpServer:
         self.keep_alive_s = keep_alive_s
         self.max_head_bytes = max_head_bytes
         self.max_body_bytes = app.gateway.config.max_body_bytes
+        self.body_budget_bytes = app.gateway.config.body_budget_bytes
+        #: Request body bytes read and not yet served, on every connection.
+        self.body_bytes_held = 0
         self.connections: set[_Connection] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None

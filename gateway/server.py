@@ -51,6 +51,8 @@ class GatewayThread:
         self.url = f"http://{host}:{port}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        #: The HTTP server, once the thread runs.
+        self.server: HttpServer | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvturn-gateway", daemon=True)
@@ -59,7 +61,7 @@ class GatewayThread:
         uvloop.run(self._main())
 
     async def _main(self) -> None:
-        server = HttpServer(self.app, self.host, self.port)
+        server = self.server = HttpServer(self.app, self.host, self.port)
         try:
             await server.start()
         except BaseException as error:

@@ -71,7 +71,7 @@ async def test_turn_id_survives_a_retried_request(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_pause_is_measured_within_20ms_of_an_injected_sleep(
+async def test_pause_covers_the_real_sleep_and_little_more(
     stub: StubGateway,
     make_client,  # type: ignore[no-untyped-def]
     stream: bool,
@@ -88,8 +88,11 @@ async def test_pause_is_measured_within_20ms_of_an_injected_sleep(
             await asyncio.sleep(pause_s)
             slept.append((time.monotonic() - start) * 1000)
     pauses = [int(r.headers[PMS]) for r in stub.chat_requests()[1:]]
-    assert abs(pauses[0] - slept[0]) <= 20, (pauses, slept)
-    assert abs(pauses[1] - slept[1]) <= 20, (pauses, slept)
+    # The pause runs from the reply's end to the next request: the sleep, plus the client's
+    # own work around it (a few ms; a loaded 2-core machine can stretch that tenfold and more,
+    # hence the wide upper bound). Exact values: test_an_injected_clock_makes_pauses_exact.
+    for reported, real in zip(pauses[:2], slept[:2], strict=True):
+        assert real - 1 <= reported <= real + 250, (pauses, slept)
     assert pauses[0] >= 250 and pauses[1] >= 100
 
 
