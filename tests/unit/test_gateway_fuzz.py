@@ -79,7 +79,8 @@ _tool = st.fixed_dictionaries(
     {"type": st.just("function") | _json},
     optional={"function": st.fixed_dictionaries({"name": st.text(max_size=10) | _json})},
 )
-_ids = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=0, max_size=140)
+# (h11, under httpx, refuses header values with whitespace at either end)
+_ids = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=140).map(str.strip)
 _FIELDS: dict[str, Any] = {
     "model": st.just("fake") | _json,
     "stream": st.booleans() | _json,
@@ -108,7 +109,6 @@ _completion_body = st.fixed_dictionaries(
     },
     optional=_FIELDS,
 )
-# (h11, under httpx, refuses header values with whitespace at either end)
 _header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60).map(
     str.strip
 )
