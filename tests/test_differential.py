@@ -210,7 +210,7 @@ CASES = [
     _chat("chat-error-unknown-model", model="no-such-model"),
     _edge(_chat("chat-error-empty-messages", messages=[]), "messages"),
     _edge(_chat("chat-error-no-messages", messages=None), "messages"),
-    _edge(_chat("chat-error-messages-not-objects", messages=[1, 2]), "messages.0"),
+    _edge(_chat("chat-error-messages-not-objects", messages=[1, 2]), "messages"),
     _edge(_chat("chat-error-tools-not-a-list", tools="x"), "tools"),
     _edge(_chat("chat-error-negative-max-tokens", max_tokens=-1), "max_tokens"),
     # completions
