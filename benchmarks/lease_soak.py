@@ -43,58 +43,68 @@ async def decode_state(client: httpx.AsyncClient, state: dict[str, Any]) -> tupl
     return int(stats["blocks_held"]), usage
 
 
+class Tally:
+    """What a soak's conversations did: endings, plans, failed requests."""
+
+    def __init__(self) -> None:
+        self.endings: Counter[str] = Counter()
+        self.plans: Counter[str] = Counter()
+        self.failed = 0
+
+
+async def conversation(
+    client: httpx.AsyncClient, state: dict[str, Any], i: int, rng: random.Random, tally: Tally
+) -> None:
+    """One conversation of 1-3 turns that ends one of the :data:`ENDINGS` ways."""
+    gateway = state["gateway"]
+    ending = rng.choice(ENDINGS)
+    turns = rng.randint(1, 3)
+    cid = f"soak-{i}"
+    headers = {"X-Conversation-Id": cid}
+    opening = f"[{i}] check the disks. " * rng.randint(8, 40)
+    messages = [{"role": "user", "content": opening}]
+    tally.endings[ending] += 1
+    for t in range(turns):
+        body = {"model": state["model"], "messages": messages, "max_tokens": 8, "temperature": 0}
+        try:
+            response = await client.post(f"{gateway}/chat/completions", json=body, headers=headers)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            tally.failed += 1
+            return
+        tally.plans[response.headers.get("x-kvturn-plan", "?")] += 1
+        reply = response.json()["choices"][0]["message"]["content"] or ""
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "tool", "content": "disk ok. " * rng.randint(5, 30)},
+        ]
+        if ending == "release-early" and t == 0:
+            await client.delete(f"{gateway}/kvturn/conversations/{cid}")
+        await asyncio.sleep(rng.uniform(0, 0.3))
+    if ending != "abandon":
+        await client.delete(f"{gateway}/kvturn/conversations/{cid}")
+
+
 async def soak(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    gateway = state["gateway"]
-    endings: Counter[str] = Counter()
-    plans: Counter[str] = Counter()
-    failed = 0
+    tally = Tally()
     limit = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=300) as client:
         before = await decode_state(client, state)
 
-        async def conversation(i: int) -> None:
-            nonlocal failed
-            ending = rng.choice(ENDINGS)
-            turns = rng.randint(1, 3)
-            cid = f"soak-{i}"
-            headers = {"X-Conversation-Id": cid}
-            opening = f"[{i}] check the disks. " * rng.randint(8, 40)
-            messages = [{"role": "user", "content": opening}]
+        async def limited(i: int) -> None:
             async with limit:
-                endings[ending] += 1
-                for t in range(turns):
-                    body = {"model": state["model"], "messages": messages, "max_tokens": 8,
-                            "temperature": 0}  # fmt: skip
-                    try:
-                        response = await client.post(
-                            f"{gateway}/chat/completions", json=body, headers=headers
-                        )
-                        response.raise_for_status()
-                    except httpx.HTTPError:
-                        failed += 1
-                        return
-                    plans[response.headers.get("x-kvturn-plan", "?")] += 1
-                    reply = response.json()["choices"][0]["message"]["content"] or ""
-                    messages += [
-                        {"role": "assistant", "content": reply},
-                        {"role": "tool", "content": "disk ok. " * rng.randint(5, 30)},
-                    ]
-                    if ending == "release-early" and t == 0:
-                        await client.delete(f"{gateway}/kvturn/conversations/{cid}")
-                    await asyncio.sleep(rng.uniform(0, 0.3))
-                if ending != "abandon":
-                    await client.delete(f"{gateway}/kvturn/conversations/{cid}")
+                await conversation(client, state, i, rng, tally)
 
         started = time.monotonic()
-        await asyncio.gather(*(conversation(i) for i in range(args.conversations)))
+        await asyncio.gather(*(limited(i) for i in range(args.conversations)))
         elapsed = time.monotonic() - started
         # Abandoned leases lapse on their own (lease + NIXL's guard): wait for the last one.
         await asyncio.sleep(args.lease + 5)
         after = await decode_state(client, state)
     return {
-        "before": before, "after": after, "failed": failed, "endings": endings, "plans": plans,
-        "elapsed": elapsed,
+        "before": before, "after": after, "failed": tally.failed, "endings": tally.endings,
+        "plans": tally.plans, "elapsed": elapsed,
     }  # fmt: skip
 
 

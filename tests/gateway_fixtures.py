@@ -129,6 +129,21 @@ def _tool_call(streamed: dict[str, Any]) -> Any:
     })  # fmt: skip
 
 
+def wait_recorded(gateway: GatewayThread, conversation_id: str) -> Any:
+    """The conversation's entry once its last turn's KV location is recorded (just after the
+    reply: the gateway learns it from decode in the background)."""
+    import time
+
+    store = gateway.app.state.gateway.store
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        conversation = store.peek(conversation_id)
+        if conversation is not None and conversation.holder_request_id is not None:
+            return conversation
+        time.sleep(0.05)
+    raise AssertionError(f"{conversation_id}: KV location never recorded")
+
+
 def metric(url: str, name: str) -> float:
     """Sum of every sample of a Prometheus metric served at ``url``."""
     total = 0.0

@@ -22,7 +22,13 @@ from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import long_prompt, single_engine_ids
-from tests.gateway_fixtures import TurnResult, run_turn, running_gateway
+from tests.gateway_fixtures import (
+    TurnResult,
+    metric,
+    run_turn,
+    running_gateway,
+    wait_recorded,
+)
 
 pytestmark = pytest.mark.engines
 
@@ -34,9 +40,11 @@ TURN_BOUND_S = 240
 #: Leases on the extra decode outlive its restart (a minute or two here), so that the turn after
 #: it really asks the new engine for the lease rather than seeing it lapsed on the gateway.
 LONG_LEASE_S = 900
+#: The extra prefill's own API key (vLLM's ``--api-key``).
+ENGINE_KEY = "engine-key-0123456789"
 
 
-def _spec(pair: LocalPair, role: str, offset: int) -> EngineSpec:
+def _spec(pair: LocalPair, role: str, offset: int, *extra_args: str) -> EngineSpec:
     return EngineSpec(
         role=role,  # type: ignore[arg-type]
         model=Path(str(pair.state["model_path"])),
@@ -47,6 +55,7 @@ def _spec(pair: LocalPair, role: str, offset: int) -> EngineSpec:
         cpu=0,
         kv=KVSettings(decoder_kv_blocks_ttl_s=LONG_LEASE_S if role == "decode" else TEST_KV_TTL_S),
         prefix_caching=role == "decode",
+        extra_args=extra_args,
     )
 
 
@@ -66,17 +75,6 @@ def _next(messages: list[dict[str, Any]], reply: TurnResult, turn: int) -> list[
 def _assert_same_answer(pair: LocalPair, got: TurnResult, messages: list[dict[str, Any]]) -> None:
     want = single_engine_ids(pair.prefill_url, pair.model, messages, MAX_TOKENS)
     assert got.token_ids == want, "the answer after the fault differs from one engine alone"
-
-
-def _recorded_on(gateway: Any, conversation_id: str) -> str | None:
-    store = gateway.app.state.gateway.store
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        conversation = store.peek(conversation_id)
-        if conversation is not None and conversation.holder_request_id is not None:
-            return str(conversation.holder_url)
-        time.sleep(0.05)
-    raise AssertionError(f"{conversation_id}: KV location never recorded")
 
 
 def _fallbacks(gateway: Any) -> dict[str, float]:
@@ -124,7 +122,7 @@ def test_holder_decode_restarted_between_turns_reads_no_stale_kv(
         client = _client(gateway.url)
         messages = _history("old lighthouses")
         first = run_turn(client, local_pair.model, messages, "restarted-holder")
-        assert _recorded_on(gateway, "restarted-holder") == spec.url
+        assert wait_recorded(gateway, "restarted-holder").holder_url == spec.url
 
         extra_decode["engine"].stop()
         engine = EngineProcess(spec, extra_decode["logs"] / "decode-2.log").start()
@@ -151,7 +149,7 @@ def test_decode_killed_mid_stream_then_the_next_turn_recomputes_on_a_live_decode
         client = _client(gateway.url)
         messages = _history("storm drains")
         first = run_turn(client, local_pair.model, messages, "killed-mid-stream")
-        assert _recorded_on(gateway, "killed-mid-stream") == spec.url
+        assert wait_recorded(gateway, "killed-mid-stream").holder_url == spec.url
         messages = _next(messages, first, 0)
 
         stream = client.chat.completions.create(
@@ -172,26 +170,35 @@ def test_decode_killed_mid_stream_then_the_next_turn_recomputes_on_a_live_decode
         third = run_turn(client, local_pair.model, messages, "killed-mid-stream")
         assert third.plan == "recompute"
         _assert_same_answer(local_pair, third, messages)
-        assert _recorded_on(gateway, "killed-mid-stream") == local_pair.decode_url
+        assert wait_recorded(gateway, "killed-mid-stream").holder_url == local_pair.decode_url
 
 
 def test_prefill_killed_during_a_turn_is_served_by_another_prefill(
     local_pair: LocalPair, extra_decode: dict[str, Any], tmp_path: Path
 ) -> None:
     """A prefill engine dies while it computes a turn's prompt: the gateway serves the turn on
-    the other prefill (200, the same answer as one engine alone), and marks the dead one."""
+    the other prefill (200, the same answer as one engine alone), and marks the dead one.
+
+    The extra prefill requires an API key (vLLM's ``--api-key``): the gateway presents it."""
     extra_decode["engine"].stop()  # three engines at most: the extra decode is done
-    spec = _spec(local_pair, "prefill", 80)
+    spec = _spec(local_pair, "prefill", 80, "--api-key", ENGINE_KEY)
     engine = EngineProcess(spec, tmp_path / "prefill.log").start()
     try:
         wait_until_healthy([engine], timeout_s=900)
+        plain = {"model": local_pair.model, "messages": _history("keys", 50), "max_tokens": 2}
+        assert httpx.post(f"{spec.url}/v1/chat/completions", json=plain).status_code == 401
         config = GatewayConfig(
             prefill=endpoints([spec.url, local_pair.prefill_url]),  # the extra one first
             decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
             control_secret=local_pair.control_secret,
             health_interval_s=3600,
+            engine_api_key=ENGINE_KEY,
         )
         with running_gateway(config) as gateway:
+            # Served by the extra prefill, which accepts the gateway's key.
+            before = metric(f"{spec.url}/metrics", "vllm:prompt_tokens_total")
+            run_turn(_client(gateway.url), local_pair.model, _history("keys", 50))
+            assert metric(f"{spec.url}/metrics", "vllm:prompt_tokens_total") > before
             upstream = gateway.app.state.gateway.upstream
             real_post = upstream.post_json
             killed = []
@@ -229,7 +236,7 @@ def test_gateway_restarted_between_turns(local_pair: LocalPair) -> None:
     messages = _history("tidal mills")
     with running_gateway(config) as gateway:
         first = run_turn(_client(gateway.url), local_pair.model, messages, "gateway-restart")
-        _recorded_on(gateway, "gateway-restart")
+        wait_recorded(gateway, "gateway-restart")
     messages = _next(messages, first, 0)
     with running_gateway(config) as gateway:
         beat = httpx.post(gateway.url + "/v1/kvturn/conversations/gateway-restart/heartbeat")

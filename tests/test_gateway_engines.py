@@ -38,7 +38,14 @@ from tests.engine_requests import (
     single_engine_completion_ids,
     single_engine_ids,
 )
-from tests.gateway_fixtures import TurnResult, free_port, metric, run_turn, running_gateway
+from tests.gateway_fixtures import (
+    TurnResult,
+    free_port,
+    metric,
+    run_turn,
+    running_gateway,
+    wait_recorded,
+)
 
 pytestmark = pytest.mark.engines
 
@@ -77,18 +84,6 @@ def _assert_same_answer(
     pairs = enumerate(zip(got.token_ids, want, strict=False))
     first = next((i for i, (a, b) in pairs if a != b), None)
     assert got.token_ids == want, f"reuse changed the answer (first divergence at {first})"
-
-
-def _wait_recorded(gateway: GatewayThread, conversation_id: str) -> Any:
-    """The conversation's entry once turn 1's KV location is recorded (just after the reply)."""
-    store = gateway.app.state.gateway.store
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        conversation = store.get(conversation_id)
-        if conversation is not None and conversation.holder_request_id is not None:
-            return conversation
-        time.sleep(0.05)
-    raise AssertionError(f"{conversation_id}: KV location never recorded")
 
 
 @contextmanager
@@ -245,7 +240,7 @@ def test_lapsed_lease_falls_back_to_recompute(local_pair: LocalPair) -> None:
         client = _client(gateway.url + "/v1")
         messages = _opening("lighthouses", 600)
         first = run_turn(client, local_pair.model, messages, "lease-test")
-        _wait_recorded(gateway, "lease-test")
+        wait_recorded(gateway, "lease-test")
         messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
         with _shifted_clock(gateway) as advance:
             advance(6.0)
@@ -264,7 +259,7 @@ def test_heartbeats_keep_the_lease_past_its_length(local_pair: LocalPair) -> Non
         for name in ("beating", "silent"):
             messages = _opening(f"tides {name}", 600)
             first = run_turn(client, local_pair.model, messages, name)
-            _wait_recorded(gateway, name)
+            wait_recorded(gateway, name)
             histories[name] = [*messages, {"role": "assistant", "content": first.text}]
         with _shifted_clock(gateway) as advance:
             for _ in range(4):  # 12 s of tool time, a heartbeat every 3 s
@@ -419,7 +414,7 @@ def test_below_threshold_recomputes(local_pair: LocalPair) -> None:
         client = _client(gateway.url + "/v1")
         messages = _opening("ferns", 500)
         first = run_turn(client, local_pair.model, messages, "small")
-        _wait_recorded(gateway, "small")
+        wait_recorded(gateway, "small")
         messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
         second = run_turn(client, local_pair.model, messages, "small")
         assert (second.plan, second.reused_tokens) == ("recompute", 0)
@@ -464,7 +459,7 @@ def test_holder_dies_during_the_pull_and_another_holder_is_down(
             for name in ("dies-mid-pull", "holder-down"):
                 messages = _opening(f"meteors {name}", 600)
                 first = run_turn(client, local_pair.model, messages, name)
-                assert _wait_recorded(gateway, name).holder_url == spec.url
+                assert wait_recorded(gateway, name).holder_url == spec.url
                 histories[name] = [*messages, {"role": "assistant", "content": first.text}]
 
             leases = gateway.app.state.gateway.runner.leases
@@ -503,7 +498,7 @@ def test_failed_pull_is_retried_as_recompute(local_pair: LocalPair) -> None:
         leases = gateway.app.state.gateway.runner.leases
         messages = _opening("harbours", 600)
         first = run_turn(client, local_pair.model, messages, "lapsing")
-        _wait_recorded(gateway, "lapsing")
+        wait_recorded(gateway, "lapsing")
         messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
         real_claim = leases.claim
 
@@ -537,7 +532,7 @@ def test_retained_kv_is_single_use_and_gone_kv_recomputes(local_pair: LocalPair)
         client = _client(gateway.url + "/v1")
         messages = _opening("estuaries", 600)
         first = run_turn(client, local_pair.model, messages, "once")
-        consumed = _wait_recorded(gateway, "once").holder_request_id
+        consumed = wait_recorded(gateway, "once").holder_request_id
         messages = [*messages, {"role": "assistant", "content": first.text}, _tool_result(0)]
         second = run_turn(client, local_pair.model, messages, "once")
         assert second.plan == "pull-reuse"
@@ -549,7 +544,7 @@ def test_retained_kv_is_single_use_and_gone_kv_recomputes(local_pair: LocalPair)
         gone = httpx.get(url, headers=auth)
         assert gone.status_code == 404 and gone.json()["reason"] == "read"
         # Point the conversation at the blocks already read (as if decode had freed them).
-        conversation = _wait_recorded(gateway, "once")
+        conversation = wait_recorded(gateway, "once")
         conversation.holder_request_id = consumed
         messages = [*messages, {"role": "assistant", "content": second.text}, _tool_result(1)]
         third = run_turn(client, local_pair.model, messages, "once")

@@ -23,7 +23,7 @@ from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import KV_BYTES_PER_TOKEN, NixlReads, long_prompt, single_engine_ids
-from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway
+from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway, wait_recorded
 
 pytestmark = pytest.mark.engines
 
@@ -71,17 +71,6 @@ def _kv_usage(pair: LocalPair) -> float:
     return metric(f"{pair.decode_url}/metrics", "vllm:kv_cache_usage_perc")
 
 
-def _recorded_key(gateway: Any, conversation_id: str) -> str:
-    store = gateway.app.state.gateway.store
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        conversation = store.get(conversation_id)
-        if conversation is not None and conversation.holder_request_id is not None:
-            return str(conversation.holder_request_id)
-        time.sleep(0.05)
-    raise AssertionError(f"{conversation_id}: no lease recorded")
-
-
 def test_client_heartbeats_keep_kv_past_the_base_lease(local_pair: LocalPair) -> None:
     """Two conversations pause for three base leases; kvturn.client beats for one of them.
     The beating one reuses (a real NIXL read, the same answer as one engine alone); the other's
@@ -98,7 +87,7 @@ def test_client_heartbeats_keep_kv_past_the_base_lease(local_pair: LocalPair) ->
                 messages = _opening(f"tides {name}")
                 first = run_turn(client, local_pair.model, messages)
                 histories[name] = _next(messages, first)
-            _recorded_key(gateway, name)
+            wait_recorded(gateway, name)
         time.sleep(3 * BASE_LEASE_S)  # a long tool run: beats go out every half lease
         assert metric(gateway.url + "/metrics", 'kvturn_lease_renewals_total{result="renewed"}')
         # The silent conversation's lease ran out on decode (its blocks are freed).
@@ -121,7 +110,7 @@ def test_release_frees_the_blocks_at_once(local_pair: LocalPair) -> None:
     with running_gateway(_config(local_pair, lease_s=300.0)) as gateway:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
         run_turn(client, local_pair.model, _opening("quarries", 1500), "released")
-        key = _recorded_key(gateway, "released")
+        key = wait_recorded(gateway, "released").holder_request_id
         lease = httpx.get(
             f"{local_pair.decode_control_url}/kvturn/retained/{key}",
             headers=local_pair.control_headers,
@@ -174,7 +163,7 @@ def test_strangers_cannot_touch_a_lease(local_pair: LocalPair) -> None:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
         messages = _opening("vaults")
         first = run_turn(client, local_pair.model, messages, "guarded")
-        key = _recorded_key(gateway, "guarded")
+        key = wait_recorded(gateway, "guarded").holder_request_id
         control = f"{local_pair.decode_control_url}/kvturn"
 
         def lease() -> dict[str, Any]:
@@ -211,7 +200,7 @@ def test_a_pull_racing_the_expiry_still_answers_right(local_pair: LocalPair) -> 
             name = f"race-{offset}"
             messages = _opening("glaciers", 400)
             first = run_turn(client, local_pair.model, messages, name)
-            _recorded_key(gateway, name)
+            wait_recorded(gateway, name)
             recorded = time.monotonic()
             messages = _next(messages, first)
             time.sleep(max(0.0, recorded + lease_s + offset - time.monotonic()))
@@ -298,7 +287,7 @@ def test_memory_pressure_reclaims_by_expected_return(
                 messages = _opening(f"pressure {name}", 900)
                 first = run_turn(client, local_pair.model, messages, name)
                 histories[name] = _next(messages, first)
-                keys[name] = _recorded_key(gateway, name)
+                keys[name] = wait_recorded(gateway, name).holder_request_id
 
             def alive(name: str) -> bool:
                 url = f"{control}/kvturn/retained/{keys[name]}"
