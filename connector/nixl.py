@@ -54,7 +54,9 @@ from kvturn.connector.engine_pacing import IdlePacer, cap_worker_spin_window
 from kvturn.connector.leases import LeaseTable, publication_key
 from kvturn.connector.nixl_progress import DEFAULT_PROGRESS_DELAY_US, raise_progress_thread_delay
 from kvturn.kv_params import (
+    BLOCK_SIZE_KEY,
     DIGEST_CHUNK_TOKENS,
+    KV_BYTES_PER_TOKEN_KEY,
     PREFIX_DIGESTS_KEY,
     common_prefix_tokens,
     prefix_digests,
@@ -107,6 +109,9 @@ class KvturnConnector(NixlConnector):
         if role == KVConnectorRole.WORKER:
             cap_worker_spin_window(float(extra.get("kvturn_worker_spin_ms", 2)) / 1000)
         self._block_size = vllm_config.cache_config.block_size
+        # What one token's KV occupies (all layers): the gateway's "KV bytes moved" metric.
+        total = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+        self._kv_bytes_per_token = total // max(1, kv_cache_config.num_blocks * self._block_size)
         self._ttl_s = float(extra.get("decoder_kv_blocks_ttl", 480))
         # NIXL stamps retained blocks' deadlines with perf_counter in this process: so do we.
         self.leases = LeaseTable(
@@ -120,6 +125,8 @@ class KvturnConnector(NixlConnector):
         )
         # Decode requests that finished without a conversation: blocks freed, not retained.
         self._not_retained: set[str] = set()
+        # Decode-local turns scheduled this step (see update_state_after_alloc).
+        self._local: set[str] = set()
         # Waiting decode requests asked for their blocks this step: request id -> blocks.
         self._asked: dict[str, int] = {}
         self._control: ControlServer | None = None
@@ -145,14 +152,30 @@ class KvturnConnector(NixlConnector):
         if params and params.get("do_remote_prefill"):
             # A decode request about to get its blocks: if it does not, it waits for memory.
             self._asked[request.request_id] = -(-request.num_tokens // self._block_size)
+        elif params and params.get(CONVERSATION_KEY) and not params.get("do_remote_decode"):
+            # A decode-local turn: it needs blocks for what its prefix cache does not cover.
+            missing = request.num_tokens - num_computed_tokens
+            self._asked[request.request_id] = -(-missing // self._block_size)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._asked.pop(request.request_id, None)
-        if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
             self._usage.set_blocks(request.request_id, blocks.get_block_ids())
+        elif (
+            params
+            and params.get(CONVERSATION_KEY)
+            and not params.get("do_remote_decode")
+            and not params.get("_remote_blocks_processed")
+        ):
+            # A decode-local turn: the gateway sent it straight to this decode, whose prefix
+            # cache holds the conversation. NixlConnector's worker tracks only requests that
+            # took part in a transfer and ignores the retention deadline of any other, so its
+            # blocks would never be freed: name it to the worker like a transferred one.
+            self._local.add(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def _trim_to_verified_prefix(self, request: Request, params: dict[str, Any]) -> None:
@@ -192,6 +215,9 @@ class KvturnConnector(NixlConnector):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
+        if self._local:
+            meta.reqs_in_batch.update(self._local)
+            self._local.clear()
         self._steer_retention(meta, scheduler_output)
         # While finished requests' blocks wait to be read (or to expire), the engine core steps
         # in a busy loop to poll the connector, burning a core on an otherwise idle engine.
@@ -218,6 +244,8 @@ class KvturnConnector(NixlConnector):
         held = int(params.get("remote_num_tokens") or 0)
         tokens = list(request.all_token_ids)[:held]
         params[PREFIX_DIGESTS_KEY] = prefix_digests(tokens, DIGEST_CHUNK_TOKENS)
+        params[BLOCK_SIZE_KEY] = self._block_size
+        params[KV_BYTES_PER_TOKEN_KEY] = self._kv_bytes_per_token
         params["remote_block_ids"] = [list(g) for g in params["remote_block_ids"]]
         key = publication_key(request.request_id)
         pause = sent.get(PAUSE_KEY)

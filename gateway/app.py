@@ -117,7 +117,14 @@ TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 #: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
 _TURN_HEADERS = {
     name.lower().encode("latin-1"): name
-    for name in (h.CONVERSATION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND, "Authorization")
+    for name in (
+        h.CONVERSATION_ID,
+        h.SESSION_ID,
+        h.TURN_ID,
+        h.PAUSE_MS,
+        h.PAUSE_KIND,
+        "Authorization",
+    )
 }
 #: Where the authentication middleware leaves the caller's tenant in the ASGI scope.
 TENANT_SCOPE_KEY = "kvturn.tenant"
@@ -327,7 +334,10 @@ async def serve_turn(
         # own error, which the client gets unchanged.
         body = _parse_body(raw_body)
         check_request(path, body)
-        conversation_id = _conversation_id(headers.get(h.CONVERSATION_ID), body)
+        given = headers.get(h.CONVERSATION_ID)
+        conversation_id = _conversation_id(
+            given if given is not None else headers.get(h.SESSION_ID), body
+        )
         turn_id = headers.get(h.TURN_ID)
         if turn_id is not None and len(turn_id) > 128:
             raise InvalidRequest("turn id is longer than 128 characters")
@@ -371,7 +381,8 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _conversation_id(header: str | None, body: dict[str, Any]) -> str | None:
-    """From the header, else a ``conversation_id`` body field, else OpenAI's prompt_cache_key."""
+    """From the header (``X-Conversation-Id``, else vllm-router's ``X-Session-ID``), else a
+    ``conversation_id`` body field, else OpenAI's ``prompt_cache_key``."""
     value: Any = header
     if value is None:
         value = body.pop("conversation_id", None)

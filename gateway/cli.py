@@ -10,11 +10,12 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from kvturn.gateway.config import CONTROL_SECRET_ENV, GatewayConfig, endpoints
+from kvturn.gateway.config import CONTROL_SECRET_ENV, GatewayConfig, endpoints, parse_flag
 from kvturn.gateway.engines import (
     Deployment,
     EngineError,
@@ -172,7 +173,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 #: Gateway settings that ``kvturn serve`` takes as flags (each also has a KVTURN_* variable).
-_GATEWAY_TUNABLES: dict[str, tuple[type, str]] = {
+_GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "lease_s": (float, "conversation lease without turns or heartbeats, seconds"),
     "expiry_margin_s": (float, "never reuse KV this close to its expiry, seconds"),
     "reuse_threshold_tokens": (int, "reuse only when at least this many tokens are held"),
@@ -183,6 +184,11 @@ _GATEWAY_TUNABLES: dict[str, tuple[type, str]] = {
     "request_timeout_s": (float, "upper bound on one engine request, seconds"),
     "health_interval_s": (float, "engine health-check period, seconds"),
     "publish_wait_s": (float, "wait for decode to publish retained KV, seconds"),
+    "decode_local": (parse_flag, "on/off: short turns continue on the decode holding the history"),
+    "max_local_suffix_tokens": (int, "longest new suffix a holder decode prefills itself"),
+    "max_local_running": (int, "requests a holder may be serving for a decode-local turn"),
+    "local_stall_weight": (float, "weight of the delay a local prefill costs other streams"),
+    "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
 }
 
 

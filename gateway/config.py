@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvturn.gateway.auth import ApiKeys
@@ -37,6 +38,19 @@ class GatewayConfig:
     expiry_margin_s: float = 0.5
     #: Reuse only when at least this many tokens are held (below, recompute is as fast).
     reuse_threshold_tokens: int = 64
+    #: Turns whose suffix is short go straight to the decode that holds the history
+    #: (``decode-local``), within the bounds below; off: reuse always pulls into prefill.
+    decode_local: bool = True
+    #: Longest new suffix (tokens) a holder decode may prefill itself.
+    max_local_suffix_tokens: int = 2048
+    #: Requests a holder may already be serving for a local prefill to be considered.
+    max_local_running: int = 8
+    #: Weight of the delay a local prefill inflicts on the holder's other streams (see
+    #: :class:`kvturn.gateway.planner.LocalLimits`).
+    local_stall_weight: float = 1.0
+    #: Requests without a conversation id that extend a recent turn's messages and reply are
+    #: served as that conversation's next turn.
+    implicit_conversations: bool = True
     #: Conversations remembered at once; the least recently used beyond this are dropped.
     max_conversations: int = 100_000
     max_body_bytes: int = 32 * 1024 * 1024
@@ -58,6 +72,10 @@ class GatewayConfig:
     engine_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.max_local_suffix_tokens < 0 or self.max_local_running < 0:
+            raise ValueError("max_local_suffix_tokens and max_local_running must be >= 0")
+        if not self.local_stall_weight >= 0:
+            raise ValueError(f"local_stall_weight must be >= 0, not {self.local_stall_weight}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be positive, not {self.lease_s}")
         if self.expiry_margin_s >= self.lease_s:
@@ -71,13 +89,16 @@ class GatewayConfig:
     def from_env(cls, **overrides: object) -> GatewayConfig:
         """Defaults, then ``KVTURN_*`` environment variables, then explicit ``overrides``."""
         env: dict[str, object] = {}
-        numeric = {
+        typed: dict[str, Callable[[str], object]] = {
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
             "max_conversations": int, "max_body_bytes": int, "body_budget_bytes": int,
             "connect_timeout_s": float,
             "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
+            "max_local_suffix_tokens": int, "max_local_running": int,
+            "local_stall_weight": float, "decode_local": parse_flag,
+            "implicit_conversations": parse_flag,
         }  # fmt: skip
-        for name, kind in numeric.items():
+        for name, kind in typed.items():
             value = os.environ.get(f"KVTURN_{name.upper()}")
             if value is not None:
                 env[name] = kind(value)
@@ -97,6 +118,16 @@ class GatewayConfig:
             env["api_keys"] = keys
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
+
+
+def parse_flag(value: str) -> bool:
+    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case)."""
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
 
 
 def endpoints(urls: list[str], control_urls: list[str] | None = None) -> tuple[EngineEndpoint, ...]:

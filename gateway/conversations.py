@@ -26,6 +26,11 @@ class Conversation:
     holder_request_id: str | None = None
     #: Tokens whose KV the holder retains (prompt and generated).
     held_tokens: int = 0
+    #: The last of the holder's chained prefix digests (:func:`kvturn.kv_params.prefix_digests`)
+    #: and the tokens it covers: what a new prompt must start with for the holder's prefix
+    #: cache to serve it whole. 24 hex characters, not the digest list.
+    held_digest: str | None = None
+    held_digest_tokens: int = 0
     #: When the holder's lease on the blocks lapses unless a turn or heartbeat renews it
     #: (gateway clock; the holder's connector is the truth, this is its last answer).
     lease_expires_at: float = 0.0
@@ -83,12 +88,16 @@ class ConversationStore:
         request_id: str,
         held_tokens: int,
         lease_expires_in_s: float,
+        held_digest: str | None = None,
+        held_digest_tokens: int = 0,
     ) -> None:
         """The holder decode now leases ``held_tokens`` of this conversation's KV."""
         now = self.clock()
         conversation.holder_url = holder_url
         conversation.holder_request_id = request_id
         conversation.held_tokens = held_tokens
+        conversation.held_digest = held_digest
+        conversation.held_digest_tokens = held_digest_tokens if held_digest else 0
         conversation.lease_expires_at = now + lease_expires_in_s
         conversation.last_seen = now
 
@@ -104,6 +113,8 @@ class ConversationStore:
         conversation.holder_url = None
         conversation.holder_request_id = None
         conversation.held_tokens = 0
+        conversation.held_digest = None
+        conversation.held_digest_tokens = 0
         conversation.lease_expires_at = 0.0
 
     def renewed(self, conversation: Conversation, expires_in_s: float | None) -> float:

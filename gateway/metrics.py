@@ -15,6 +15,26 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.turns = Counter("kvturn_turns", "Turns served, by plan", ["plan"], registry=r)
+        self.plans = Counter(
+            "kvturn_turn_plans", "Turns served, by plan and the reason for it", ["plan", "reason"],
+            registry=r,
+        )  # fmt: skip
+        self.kv_bytes_moved = Counter(
+            "kvturn_kv_bytes_moved",
+            "KV bytes the engines moved over NIXL for turns, by plan (decode-local moves none)",
+            ["plan"], registry=r,
+        )  # fmt: skip
+        self.implicit = Counter(
+            "kvturn_implicit_conversations",
+            "Requests without a conversation id: matched to a recent turn, or a new conversation",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.count_seconds = Histogram(
+            "kvturn_prompt_count_seconds",
+            "Asking the holder decode for a prompt's exact token ids (planning a reuse turn)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )  # fmt: skip
         self.fallbacks = Counter(
             "kvturn_reuse_fallbacks",
             "Turns that could not reuse, by reason",
@@ -80,6 +100,9 @@ class GatewayMetrics:
         # Children by label value, looked up once: ``labels()`` costs microseconds per call on
         # the turn path. Label values come from small fixed sets (plans, reasons, roles, kinds).
         self.turns_by = _ByLabel(self.turns)
+        self.plans_by = _ByLabel(self.plans)
+        self.kv_bytes_moved_by = _ByLabel(self.kv_bytes_moved)
+        self.implicit_by = _ByLabel(self.implicit)
         self.fallbacks_by = _ByLabel(self.fallbacks)
         self.ttft_by = _ByLabel(self.ttft)
         self.prefill_seconds_by = _ByLabel(self.prefill_seconds)
@@ -91,13 +114,15 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-class _ByLabel(dict[str, Any]):
-    """``by[value]`` is ``metric.labels(value)``, created on first use and kept."""
+class _ByLabel(dict[str | tuple[str, ...], Any]):
+    """``by[value]`` is ``metric.labels(value)`` (``by[(a, b)]``: ``labels(a, b)``), created on
+    first use and kept."""
 
     def __init__(self, metric: Any):
         super().__init__()
         self.metric = metric
 
-    def __missing__(self, value: str) -> Any:
-        child = self[value] = self.metric.labels(value)
+    def __missing__(self, value: str | tuple[str, ...]) -> Any:
+        labels = value if isinstance(value, tuple) else (value,)
+        child = self[value] = self.metric.labels(*labels)
         return child

@@ -1,28 +1,60 @@
-"""Plan a turn: pull the conversation's KV from its holder decode, or recompute."""
+"""Plan a turn: continue on the holder decode, pull its KV into prefill, or recompute.
+
+Three plans serve a turn of a conversation whose KV a decode engine holds under a lease:
+
+``decode-local``
+    Send the turn to the holder decode alone. Its prefix cache still covers the blocks it
+    retains (vLLM hashes blocks on exact token ids, so an edited history simply misses the
+    cache: never a wrong answer), so it computes only the new suffix and no KV moves at all.
+    The price: that local prefill runs inside the decode's batch and delays every stream it is
+    decoding, so it is bounded by suffix length and by the decode's load.
+``pull-reuse``
+    Plain P/D, except that prefill first reads the held prefix from the holder over NIXL and
+    computes only the suffix; decode then reads the whole prompt from prefill as usual.
+``recompute``
+    Plain P/D: nothing is reused.
+
+Planning is two pure functions on injected state, no I/O: :func:`plan_turn` says whether the
+conversation has reusable KV at all (else the reason it does not); :func:`choose_reuse` picks
+between the holder and P/D from the exact token counts, the holder's load and the costs
+:class:`CostModel` learns online from the engines' own timings.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvturn.gateway.conversations import Conversation
 
-PlanName = Literal["recompute", "pull-reuse"]
+PlanName = Literal["recompute", "pull-reuse", "decode-local"]
 
 
 @dataclass(frozen=True, slots=True)
 class TurnPlan:
     plan: PlanName
-    #: Why: ``reuse``, ``no-conversation``, ``first-turn``, ``lease-expired``,
-    #: ``holder-unhealthy``, ``below-threshold``.
+    #: Why, for headers and metrics. ``recompute``: ``no-conversation``, ``first-turn``,
+    #: ``lease-expired``, ``holder-unhealthy``, ``below-threshold``, ``lease-reclaimed``,
+    #: ``kv-gone``, ``pull-failed``, ``no-common-prefix``, ``decode-failed``.
+    #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``history-edited``,
+    #: ``suffix-too-long``, ``holder-busy``, ``cheaper``. ``decode-local``: ``cheaper``.
     reason: str
 
     @property
-    def reuses(self) -> bool:
+    def pulls(self) -> bool:
+        """Whether prefill reads the conversation's KV from its holder."""
         return self.plan == "pull-reuse"
+
+    @property
+    def local(self) -> bool:
+        return self.plan == "decode-local"
 
 
 RECOMPUTE_NO_CONVERSATION = TurnPlan("recompute", "no-conversation")
+#: Reuse is possible; which kind is for :func:`choose_reuse` to say.
+REUSE = TurnPlan("pull-reuse", "reuse")
 
 
 def plan_turn(
@@ -33,7 +65,8 @@ def plan_turn(
     expiry_margin_s: float,
     threshold_tokens: int,
 ) -> TurnPlan:
-    """Decide how to serve the next turn of ``conversation`` (pure: no I/O, injected time)."""
+    """Whether ``conversation`` has KV a turn can reuse: :data:`REUSE`, or a ``recompute``
+    plan with the reason it cannot."""
     if conversation is None:
         return RECOMPUTE_NO_CONVERSATION
     if conversation.holder_url is None:
@@ -44,4 +77,199 @@ def plan_turn(
         return TurnPlan("recompute", "holder-unhealthy")
     if conversation.held_tokens < threshold_tokens:
         return TurnPlan("recompute", "below-threshold")
-    return TurnPlan("pull-reuse", "reuse")
+    return REUSE
+
+
+@dataclass(frozen=True, slots=True)
+class LocalLimits:
+    """Bounds on a local prefill, whatever the costs say: past them the turn goes to P/D."""
+
+    enabled: bool = True
+    #: Longest suffix the holder decode may prefill itself.
+    max_suffix_tokens: int = 2048
+    #: Requests the holder may already be serving (its decode batch) for a local prefill.
+    max_running: int = 8
+    #: Seconds of delay to other streams, per second of the turn's own time to first token:
+    #: a local prefill of ``t`` seconds on a decode serving ``k`` streams costs ``t`` for this
+    #: turn and ``stall_weight * k * t`` for the others.
+    stall_weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseInputs:
+    """What :func:`choose_reuse` knows about one turn (all exact, or ``None`` if unknown)."""
+
+    #: Tokens the holder retains for the conversation.
+    held_tokens: int
+    #: The new prompt's tokens, from the engine's own tokenizer and chat template.
+    prompt_tokens: int | None
+    #: Whether the new prompt starts with exactly the previous turn's prompt, whose KV the
+    #: holder retains (``covered_tokens`` of it, in whole digest chunks).
+    prefix_matches: bool | None
+    covered_tokens: int
+    #: Requests the holder is serving now.
+    holder_running: int
+    holder_url: str
+    #: The prefill engine P/D would use.
+    prefill_url: str
+
+
+def choose_reuse(inputs: ReuseInputs, limits: LocalLimits, costs: CostModel) -> TurnPlan:
+    """``decode-local`` or ``pull-reuse`` for a turn whose conversation has reusable KV."""
+    if not limits.enabled:
+        return TurnPlan("pull-reuse", "local-off")
+    if inputs.prompt_tokens is None or inputs.prefix_matches is None:
+        return REUSE
+    if not inputs.prefix_matches:
+        # The history changed inside what the holder retains: prefill's exact-prefix check
+        # pulls what still matches, and a local prefill could be far longer than it looks.
+        return TurnPlan("pull-reuse", "history-edited")
+    # What the holder must compute: everything past the verified prefix (the previous reply,
+    # re-rendered, may hit its cache too; not counted on).
+    suffix = max(1, inputs.prompt_tokens - inputs.covered_tokens)
+    if suffix > limits.max_suffix_tokens:
+        return TurnPlan("pull-reuse", "suffix-too-long")
+    if inputs.holder_running >= limits.max_running:
+        return TurnPlan("pull-reuse", "holder-busy")
+    local = costs.local_seconds(inputs.holder_url, suffix)
+    local += limits.stall_weight * inputs.holder_running * local
+    pull = costs.pull_seconds(inputs.prefill_url, inputs.held_tokens, suffix)
+    if local <= pull:
+        return TurnPlan("decode-local", "cheaper")
+    return TurnPlan("pull-reuse", "cheaper")
+
+
+class LinearCost:
+    """``seconds ≈ fixed + per_token * tokens``, fitted online by least squares with
+    exponential forgetting (``decay`` per observation: the last ~20 turns count).
+
+    Before any observation it is the prior. While the observed sizes are too alike to tell a
+    slope from a fixed cost (the first turn, or every suffix the same length), the prior's fixed
+    part is kept and only the per-token part is fitted.
+    """
+
+    def __init__(self, fixed_s: float, per_token_s: float, *, decay: float = 0.95):
+        self.prior = (fixed_s, per_token_s)
+        self.decay = decay
+        self.observations = 0
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(tokens) and tokens >= 0):
+            return
+        d = self.decay
+        self._n = self._n * d + 1.0
+        self._x = self._x * d + tokens
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + tokens * tokens
+        self._xy = self._xy * d + tokens * seconds
+        self.observations += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token), both non-negative."""
+        if self.observations == 0:
+            return self.prior
+        n, x, y = self._n, self._x, self._y
+        spread = n * self._xx - x * x
+        # Sizes spread by less than ~10% of their mean: no slope can be told apart.
+        if self.observations >= 3 and spread > 0.01 * x * x:
+            slope = max((n * self._xy - x * y) / spread, 0.0)
+            fixed = (y - slope * x) / n
+            if fixed >= 0:
+                return fixed, slope
+            # No fixed cost to speak of: the line through the origin.
+            return 0.0, max(self._xy / self._xx, 0.0)
+        fixed = self.prior[0]
+        if x <= 0:
+            return max(y / n, 0.0), self.prior[1]
+        return fixed, max((y - n * fixed) / x, 0.0)
+
+    def predict(self, tokens: float) -> float:
+        fixed, per_token = self.coefficients()
+        return fixed + per_token * tokens
+
+
+#: Priors, from this project's CPU engines (tiny model; DESIGN.md): a 2k-token prefill ≈ 0.25 s,
+#: an engine hop ≈ 15-25 ms, NIXL moves a token's KV in about a microsecond.
+PRIOR_PREFILL = (0.015, 1.5e-4)
+PRIOR_LOCAL = (0.010, 1.5e-4)
+PRIOR_TRANSFER = (0.020, 1e-6)
+
+
+@dataclass
+class CostModel:
+    """What each plan costs, learned per engine from the turns the gateway serves.
+
+    * prefill: computed tokens → prefill round trip, per prefill engine (recompute turns);
+    * transfer: tokens moved → the extra seconds a pull adds to prefill, and the time from
+      prefill's answer to decode's first token (decode reads the whole prompt), shared;
+    * local: suffix tokens → time to first token of a ``decode-local`` turn, per decode.
+    """
+
+    prefill: dict[str, LinearCost] = field(default_factory=dict)
+    local: dict[str, LinearCost] = field(default_factory=dict)
+    pull: LinearCost = field(default_factory=lambda: LinearCost(*PRIOR_TRANSFER))
+    handoff: LinearCost = field(default_factory=lambda: LinearCost(*PRIOR_TRANSFER))
+
+    def _prefill(self, url: str) -> LinearCost:
+        return _get(self.prefill, url, lambda: LinearCost(*PRIOR_PREFILL))
+
+    def _local(self, url: str) -> LinearCost:
+        return _get(self.local, url, lambda: LinearCost(*PRIOR_LOCAL))
+
+    # ---- estimates ----
+
+    def local_seconds(self, decode_url: str, suffix: int) -> float:
+        return self._local(decode_url).predict(suffix)
+
+    def pull_seconds(self, prefill_url: str, held: int, suffix: int) -> float:
+        return (
+            self._prefill(prefill_url).predict(suffix)
+            + self.pull.predict(held)
+            + self.handoff.predict(held + suffix)
+        )
+
+    def recompute_seconds(self, prefill_url: str, prompt: int) -> float:
+        return self._prefill(prefill_url).predict(prompt) + self.handoff.predict(prompt)
+
+    # ---- learning ----
+
+    def observe_prefill(self, prefill_url: str, computed: int, reused: int, seconds: float) -> None:
+        """A prefill round trip: ``computed`` tokens computed, ``reused`` pulled from decode."""
+        fit = self._prefill(prefill_url)
+        if reused == 0:
+            fit.observe(computed, seconds)
+        else:
+            self.pull.observe(reused, max(0.0, seconds - fit.predict(computed)))
+
+    def observe_handoff(self, prompt: int, seconds: float) -> None:
+        """From prefill's answer to decode's first token (decode read ``prompt`` tokens)."""
+        self.handoff.observe(prompt, seconds)
+
+    def observe_local(self, decode_url: str, suffix: int, seconds: float) -> None:
+        self._local(decode_url).observe(suffix, seconds)
+
+    def snapshot(self) -> dict[str, object]:
+        """The current fits, for the status route and for humans."""
+
+        def fit(cost: LinearCost) -> dict[str, float]:
+            fixed, per_token = cost.coefficients()
+            return {
+                "fixed_ms": round(fixed * 1000, 3),
+                "per_1k_tokens_ms": round(per_token * 1e6, 3),
+                "observations": cost.observations,
+            }
+
+        return {
+            "prefill": {url: fit(c) for url, c in self.prefill.items()},
+            "local": {url: fit(c) for url, c in self.local.items()},
+            "pull": fit(self.pull),
+            "handoff": fit(self.handoff),
+        }
+
+
+def _get(table: dict[str, LinearCost], key: str, make: Callable[[], LinearCost]) -> LinearCost:
+    cost = table.get(key)
+    if cost is None:
+        cost = table[key] = make()
+    return cost

@@ -24,6 +24,10 @@ class Instance:
     healthy: bool = True
     in_flight: int = 0
     host: str = field(init=False)
+    #: Learned from what a decode's connector publishes: its KV block size (tokens) and the
+    #: bytes of one token's KV (0 until known).
+    block_size: int = field(default=0, init=False)
+    kv_bytes_per_token: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or "127.0.0.1"

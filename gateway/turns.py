@@ -23,11 +23,27 @@ from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.conversations import Conversation, ConversationStore
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
+from kvturn.gateway.implicit import (
+    ImplicitIndex,
+    ReplyCollector,
+    extend,
+    message_digests,
+    reply_message,
+    seed,
+)
 from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
-from kvturn.gateway.planner import TurnPlan, plan_turn
+from kvturn.gateway.planner import (
+    CostModel,
+    LocalLimits,
+    ReuseInputs,
+    TurnPlan,
+    choose_reuse,
+    plan_turn,
+)
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
+from kvturn.gateway.tokens import CHAT_PATH, prompt_token_ids
 from kvturn.gateway.upstream import (
     StreamResponse,
     Upstream,
@@ -35,7 +51,14 @@ from kvturn.gateway.upstream import (
     UpstreamUnavailable,
     next_chunk,
 )
-from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
+from kvturn.kv_params import (
+    BLOCK_SIZE_KEY,
+    DIGEST_CHUNK_TOKENS,
+    KV_BYTES_PER_TOKEN_KEY,
+    PREFILL_FOR_REMOTE_DECODE,
+    PREFIX_DIGESTS_KEY,
+    last_prefix_digest,
+)
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -70,6 +93,9 @@ class Turn:
     pause: tuple[str, float] | None = None
     #: The caller's tenant (``""`` on an open gateway): conversations are its own.
     tenant: str = ""
+    #: For a turn of an implicit conversation: the digest of its messages, which its reply
+    #: extends into the key the next turn is found by.
+    implicit: bytes | None = None
 
     @property
     def stream(self) -> bool:
@@ -78,11 +104,33 @@ class Turn:
 
 @dataclass(slots=True)
 class PrefillResult:
-    instance: Instance
+    """What decode needs after prefill (or, for ``decode-local``, instead of it)."""
+
+    #: The prefill engine (``None``: no prefill ran, the turn is ``decode-local``).
+    instance: Instance | None
     params: dict[str, Any]
     prompt_tokens: int
     reused_tokens: int
     plan: TurnPlan
+    #: When prefill answered (perf_counter; for the costs decode adds after it).
+    finished_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Reuse:
+    """What planning decided about the conversation's previous KV."""
+
+    plan: TurnPlan
+    #: ``kv_transfer_params`` for prefill: plain P/D, or a claimed lease to pull.
+    params: dict[str, Any] = field(default_factory=lambda: RECOMPUTE_PARAMS)
+    #: The lease this turn holds on the previous KV while prefill reads it: (holder, key).
+    claimed: tuple[Instance, str] | None = None
+    #: ``decode-local``: the holder, and the lease its new turn supersedes.
+    holder: Instance | None = None
+    previous_key: str | None = None
+    #: The prompt's tokens and those the holder's cache covers (``decode-local``).
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
 
 
 class TurnRunner:
@@ -104,6 +152,14 @@ class TurnRunner:
         self.store = store
         self.metrics = metrics
         self.leases = LeaseClient(upstream, config.control_secret)
+        self.costs = CostModel()
+        self.limits = LocalLimits(
+            enabled=config.decode_local,
+            max_suffix_tokens=config.max_local_suffix_tokens,
+            max_running=config.max_local_running,
+            stall_weight=config.local_stall_weight,
+        )
+        self.implicit = ImplicitIndex(config.max_conversations)
         self._background: set[asyncio.Task[None]] = set()
 
     async def run(self, turn: Turn) -> Reply:
@@ -120,13 +176,14 @@ class TurnRunner:
                 stream=turn.stream,
                 choices_per_prompt=int(turn.body.get("n") or 1),
             )
-        conversation = (
-            self.store.get_or_create(
+        if turn.conversation_id:
+            conversation: Conversation | None = self.store.get_or_create(
                 scoped_key(turn.tenant, turn.conversation_id), turn.conversation_id
             )
-            if turn.conversation_id
-            else None
-        )
+        elif self.config.implicit_conversations:
+            conversation = self._implicit_conversation(turn)
+        else:
+            conversation = None
         if conversation is not None and self.store.note_turn(conversation, turn.turn_id):
             self.metrics.turn_retries.inc()
         if conversation is not None and conversation.settling is not None:
@@ -135,10 +192,45 @@ class TurnRunner:
                 await asyncio.wait_for(conversation.settling.wait(), self.config.publish_wait_s)
         return await self._serve(turn, conversation)
 
+    def _implicit_conversation(self, turn: Turn) -> Conversation | None:
+        """The conversation a chat request without an id continues, found by its messages
+        (see :mod:`.implicit`), or a new one that its next turn can find."""
+        messages = turn.body.get("messages")
+        if turn.path != CHAT_PATH or not isinstance(messages, list) or not messages:
+            return None
+        if (turn.body.get("n") or 1) != 1:
+            return None  # which choice comes back next turn is not known
+        digests = message_digests(seed(turn.tenant, turn.body.get("model")), messages)
+        turn.implicit = digests[-1]
+        found = self.implicit.match(digests)
+        if found is not None:
+            key, conversation_id = found
+            self.metrics.implicit_by["matched"].inc()
+        else:
+            conversation_id = f"implicit-{os.urandom(12).hex()}"
+            key = scoped_key(turn.tenant, conversation_id)
+            self.metrics.implicit_by["new"].inc()
+        return self.store.get_or_create(key, conversation_id)
+
     async def _serve(self, turn: Turn, conversation: Conversation | None) -> Reply:
-        """Prefill then decode, once more from scratch if decode fails before replying."""
+        """Plan; then the holder decode alone, or prefill then decode; once more from
+        scratch if decode fails before replying."""
         self._wake_decode(conversation)
-        prefilled = await self._prefill(turn, conversation)
+        reuse = await self._plan(turn, conversation)
+        if reuse.plan.local:
+            assert reuse.holder is not None
+            local = PrefillResult(None, {}, reuse.prompt_tokens, reuse.reused_tokens, reuse.plan)
+            try:
+                return await self._decode(
+                    turn, conversation, local, target=reuse.holder, supersedes=reuse.previous_key
+                )
+            except DecodeFailed as failure:
+                self._decode_failed(failure)
+                if reuse.previous_key is not None:
+                    self._release_later(reuse.holder, reuse.previous_key)
+                reuse = Reuse(TurnPlan("recompute", "decode-failed"))
+                self.metrics.fallbacks_by[reuse.plan.reason].inc()
+        prefilled = await self._prefill(turn, reuse)
         if isinstance(prefilled, Reply):
             return prefilled
         try:
@@ -146,15 +238,18 @@ class TurnRunner:
         except DecodeFailed as failure:
             # Decode died, or failed its pull from prefill, before replying: serve the turn
             # again from scratch (on another decode if this one is gone).
-            logger.warning("decode failed before replying (%s); recomputing", failure)
-            self.metrics.upstream_errors_by["decode"].inc()
-            failed = self.decode.get(failure.url)
-            if failed is not None and failure.unreachable:
-                failed.healthy = False
-            retry = await self._prefill(turn, None, forced=TurnPlan("recompute", "decode-failed"))
+            self._decode_failed(failure)
+            retry = await self._prefill(turn, Reuse(TurnPlan("recompute", "decode-failed")))
             if isinstance(retry, Reply):
                 return retry
             return await self._decode(turn, conversation, retry)
+
+    def _decode_failed(self, failure: DecodeFailed) -> None:
+        logger.warning("decode failed before replying (%s); recomputing", failure)
+        self.metrics.upstream_errors_by["decode"].inc()
+        failed = self.decode.get(failure.url)
+        if failed is not None and failure.unreachable:
+            failed.healthy = False
 
     def _wake_decode(self, conversation: Conversation | None) -> None:
         """An idle decode paces its empty steps (up to a quarter second apart while it holds
@@ -173,37 +268,97 @@ class TurnRunner:
 
     # ---- prefill ----------------------------------------------------------------------------
 
-    async def _prefill(
-        self, turn: Turn, conversation: Conversation | None, forced: TurnPlan | None = None
-    ) -> PrefillResult | Reply:
-        plan = forced or self._plan(conversation)
-        params = RECOMPUTE_PARAMS
-        # The lease this turn holds on its conversation's previous KV, if any: (holder, key).
-        claimed: tuple[Instance, str] | None = None
-        if conversation is not None and conversation.holder_url is not None:
-            # Decode frees retained blocks after one read: take them off the table for this
-            # turn before any await, so a parallel turn of the same conversation recomputes
-            # instead of reading blocks that may already hold something else.
-            holder = self.decode.get(conversation.holder_url)
-            key = conversation.holder_request_id
-            self.store.forget_kv(conversation)
-            if holder is not None and holder.control_url is not None and key:
-                if plan.reuses:
-                    outcome = await self.leases.claim(holder.control_url, key)
-                    if outcome.params is None or not self._usable(outcome.params):
-                        plan = TurnPlan("recompute", _GONE_REASONS.get(outcome.reason, "kv-gone"))
-                        if outcome.params is not None:
-                            self._release_later(holder, key, claimed=True)
-                    else:
-                        params = outcome.params
-                        params["remote_host"] = holder.host
-                        claimed = (holder, key)
-                else:
-                    # This turn recomputes: the old lease can never be read again.
-                    self._release_later(holder, key)
-        if not plan.reuses:
+    async def _plan(self, turn: Turn, conversation: Conversation | None) -> Reuse:
+        """Decide how this turn uses the conversation's previous KV; claim it if prefill
+        will read it."""
+        holder = self.decode.get(conversation.holder_url) if conversation else None
+        plan = plan_turn(
+            conversation,
+            self.store.clock(),
+            holder_healthy=holder is not None and holder.healthy and holder.control_url is not None,
+            expiry_margin_s=self.config.expiry_margin_s,
+            threshold_tokens=self.config.reuse_threshold_tokens,
+        )
+        if conversation is None or conversation.holder_url is None:
             self.metrics.fallbacks_by[plan.reason].inc()
+            return Reuse(plan)
+        key = conversation.holder_request_id
+        held = conversation.held_tokens
+        digest = conversation.held_digest
+        digest_tokens = conversation.held_digest_tokens
+        # Decode frees retained blocks after one read: take them off the table for this turn
+        # before any await, so a parallel turn of the same conversation recomputes instead of
+        # reading blocks that may already hold something else.
+        self.store.forget_kv(conversation)
+        if holder is None or holder.control_url is None or not key:
+            self.metrics.fallbacks_by[plan.reason].inc()
+            return Reuse(plan)
+        if not plan.pulls:
+            # This turn recomputes: the old lease can never be read again.
+            self._release_later(holder, key)
+            self.metrics.fallbacks_by[plan.reason].inc()
+            return Reuse(plan)
 
+        plan, prompt_tokens = await self._choose(turn, holder, held, digest, digest_tokens)
+        if plan.local:
+            # The holder's prefix cache serves whole blocks of the verified prefix; the last
+            # prompt token is always computed.
+            covered = min(digest_tokens, max(0, prompt_tokens - 1))
+            if holder.block_size:
+                covered -= covered % holder.block_size
+            return Reuse(
+                plan,
+                holder=holder,
+                previous_key=key,
+                prompt_tokens=prompt_tokens,
+                reused_tokens=covered,
+            )
+        outcome = await self.leases.claim(holder.control_url, key)
+        if outcome.params is None or not self._usable(outcome.params):
+            plan = TurnPlan("recompute", _GONE_REASONS.get(outcome.reason, "kv-gone"))
+            if outcome.params is not None:
+                self._release_later(holder, key, claimed=True)
+            self.metrics.fallbacks_by[plan.reason].inc()
+            return Reuse(plan)
+        params = outcome.params
+        params["remote_host"] = holder.host
+        return Reuse(plan, params, claimed=(holder, key))
+
+    async def _choose(
+        self, turn: Turn, holder: Instance, held: int, digest: str | None, digest_tokens: int
+    ) -> tuple[TurnPlan, int]:
+        """``decode-local`` or ``pull-reuse``, from the prompt's exact token ids (asked of
+        the holder only when a local turn is possible at all); and the prompt's length."""
+        limits = self.limits
+        if not limits.enabled:
+            return TurnPlan("pull-reuse", "local-off"), 0
+        if holder.in_flight >= limits.max_running:
+            return TurnPlan("pull-reuse", "holder-busy"), 0
+        started = time.perf_counter()
+        ids = await prompt_token_ids(self.upstream, holder.url, turn.path, turn.body)
+        matches = None
+        if ids is not None and digest is not None:
+            matches = last_prefix_digest(ids, digest_tokens, DIGEST_CHUNK_TOKENS) == digest
+        self.metrics.count_seconds.observe(time.perf_counter() - started)
+        try:
+            prefill_url = self.prefill.choose().url
+        except NoHealthyEngine:
+            prefill_url = ""
+        inputs = ReuseInputs(
+            held_tokens=held,
+            prompt_tokens=None if ids is None else len(ids),
+            prefix_matches=matches,
+            covered_tokens=digest_tokens,
+            holder_running=holder.in_flight,
+            holder_url=holder.url,
+            prefill_url=prefill_url,
+        )
+        return choose_reuse(inputs, limits, self.costs), 0 if ids is None else len(ids)
+
+    async def _prefill(self, turn: Turn, reuse: Reuse) -> PrefillResult | Reply:
+        plan = reuse.plan
+        params = reuse.params
+        claimed = reuse.claimed
         body = _prefill_body(turn.body, params)
         attempts = 0
         tried: Instance | None = None
@@ -247,12 +402,14 @@ class TurnRunner:
                 raise UpstreamError(f"prefill failed with HTTP {response.status}")
             tried = instance
 
-        self.metrics.prefill_seconds_by[plan.plan].observe(time.perf_counter() - started)
+        finished = time.perf_counter()
+        self.metrics.prefill_seconds_by[plan.plan].observe(finished - started)
         data = response.json()
         usage = data.get("usage") or {}
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
         reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        if plan.reuses and reused == 0:
+        self.costs.observe_prefill(instance.url, prompt_tokens - reused, reused, finished - started)
+        if plan.pulls and reused == 0:
             plan = TurnPlan("recompute", "no-common-prefix")
             self.metrics.fallbacks_by[plan.reason].inc()
             if claimed is not None:
@@ -262,17 +419,7 @@ class TurnRunner:
         if not decode_params:
             raise UpstreamError("prefill returned no kv_transfer_params (is it a kvturn engine?)")
         decode_params["remote_host"] = instance.host
-        return PrefillResult(instance, decode_params, prompt_tokens, reused, plan)
-
-    def _plan(self, conversation: Conversation | None) -> TurnPlan:
-        holder = self.decode.get(conversation.holder_url) if conversation else None
-        return plan_turn(
-            conversation,
-            self.store.clock(),
-            holder_healthy=holder is not None and holder.healthy and holder.control_url is not None,
-            expiry_margin_s=self.config.expiry_margin_s,
-            threshold_tokens=self.config.reuse_threshold_tokens,
-        )
+        return PrefillResult(instance, decode_params, prompt_tokens, reused, plan, finished)
 
     def _usable(self, params: dict[str, Any]) -> bool:
         """Whether a claimed lease still runs long enough for the pull to land."""
@@ -292,9 +439,19 @@ class TurnRunner:
     # ---- decode -----------------------------------------------------------------------------
 
     async def _decode(
-        self, turn: Turn, conversation: Conversation | None, prefilled: PrefillResult
+        self,
+        turn: Turn,
+        conversation: Conversation | None,
+        prefilled: PrefillResult,
+        *,
+        target: Instance | None = None,
+        supersedes: str | None = None,
     ) -> Reply:
-        instance = self.decode.choose(prefer=conversation.holder_url if conversation else None)
+        """Decode's reply: after prefill, or (``target``, a ``decode-local`` turn) on the
+        holder alone, whose new lease then ``supersedes`` the previous one."""
+        instance = target or self.decode.choose(
+            prefer=conversation.holder_url if conversation else None
+        )
         # 128 random bits: the reply's id is made of it (no turn counter shows through), and
         # decode publishes the KV it retains under it.
         request_id = f"kvturn-{os.urandom(16).hex()}"
@@ -310,6 +467,7 @@ class TurnRunner:
         plan = prefilled.plan
         response_headers = {
             h.PLAN: plan.plan,
+            h.PLAN_REASON: plan.reason,
             h.REUSED_TOKENS: str(prefilled.reused_tokens),
         }
         if conversation is not None:
@@ -318,6 +476,9 @@ class TurnRunner:
             response_headers[h.LEASE_SECONDS] = f"{self.config.lease_s:g}"
         url = instance.url + turn.path
         upstream_headers = {"X-Request-Id": request_id}
+        after = _After(
+            conversation, instance, request_id, supersedes, turn.implicit, prefilled.prompt_tokens
+        )
 
         if not turn.stream:
             instance.in_flight += 1
@@ -331,19 +492,29 @@ class TurnRunner:
                 raise DecodeFailed(instance.url, unreachable=False)
             _mark_settling(conversation)
             if response.status != 200:
-                self._settle_later(conversation, None, request_id)
+                after.holder = None
+                self._settle_later(after)
                 return _passthrough(response.status, response.body, response_headers)
-            self._count(prefilled)
             payload = response.body
-            if b'"kv_transfer_params"' in payload and b'"kv_transfer_params":null' not in payload:
+            data = response.json()
+            if plan.local:
+                # The holder says how much its prefix cache served.
+                cached = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+                if "cached_tokens" in cached:
+                    prefilled.reused_tokens = int(cached["cached_tokens"] or 0)
+                    response_headers[h.REUSED_TOKENS] = str(prefilled.reused_tokens)
+            self._count(prefilled, instance)
+            if data.get("kv_transfer_params") is not None:
                 # Engine-internal: shown to callers as one engine alone shows it (null).
-                data = response.json()
                 data["kv_transfer_params"] = None
                 payload = orjson.dumps(data)
-            self._settle_later(conversation, instance, request_id)
+            if turn.implicit is not None:
+                after.reply = reply_message(data)
+            self._settle_later(after)
             return Reply(200, payload, response_headers)
 
         instance.in_flight += 1
+        sent = time.perf_counter()
         try:
             upstream = await self.upstream.open_stream(url, body, upstream_headers)
         except UpstreamUnavailable as error:
@@ -361,34 +532,56 @@ class TurnRunner:
                 payload = b""
             await upstream.aclose()
             instance.in_flight -= 1
-            self._settle_later(conversation, None, request_id)
+            after.holder = None
+            self._settle_later(after)
             return _passthrough(upstream.status, payload, response_headers)
-        self._count(prefilled)
-
-        relay = _Relay(self, upstream, instance, conversation, request_id, plan.plan, turn.started)
+        relay = _Relay(self, upstream, prefilled, after, turn.started, sent)
         return Reply(200, headers=response_headers, stream=relay)
 
-    def _count(self, prefilled: PrefillResult) -> None:
+    def _count(self, prefilled: PrefillResult, decode: Instance) -> None:
         """Count a turn once decode has taken it (a retried turn counts once, as it ended)."""
-        self.metrics.turns_by[prefilled.plan.plan].inc()
+        plan = prefilled.plan
+        self.metrics.turns_by[plan.plan].inc()
+        self.metrics.plans_by[(plan.plan, plan.reason)].inc()
         self.metrics.reused_tokens.inc(prefilled.reused_tokens)
         self.metrics.recomputed_tokens.inc(
             max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
         )
+        moved = 0
+        if plan.pulls:
+            moved = prefilled.reused_tokens + prefilled.prompt_tokens
+        elif not plan.local:
+            moved = prefilled.prompt_tokens
+        self.metrics.kv_bytes_moved_by[plan.plan].inc(moved * decode.kv_bytes_per_token)
+
+    def _learn_first_token(
+        self, prefilled: PrefillResult, decode: Instance, seconds: float
+    ) -> None:
+        """A streamed turn's first token: what decode added after prefill (or, locally,
+        what the holder's own prefill of the suffix took)."""
+        if prefilled.plan.local:
+            suffix = max(1, prefilled.prompt_tokens - prefilled.reused_tokens)
+            self.costs.observe_local(decode.url, suffix, seconds)
+        else:
+            self.costs.observe_handoff(prefilled.prompt_tokens, seconds)
 
     # ---- after the reply --------------------------------------------------------------------
 
-    def _settle_later(
-        self, conversation: Conversation | None, holder: Instance | None, request_id: str
-    ) -> None:
+    def _settle_later(self, after: _After) -> None:
         """Record where the conversation's KV now lives, off the response path."""
-        if conversation is None:
+        if after.conversation is None:
             return
-        self._background_task(self._settle(conversation, holder, request_id))
+        if after.implicit is not None and after.reply is not None:
+            # The next turn of this conversation starts with these messages and this reply.
+            self.implicit.record(
+                extend(after.implicit, after.reply),
+                (after.conversation.key, after.conversation.conversation_id),
+            )
+        self._background_task(self._settle(after))
 
-    async def _settle(
-        self, conversation: Conversation, holder: Instance | None, request_id: str
-    ) -> None:
+    async def _settle(self, after: _After) -> None:
+        conversation, holder, request_id = after.conversation, after.holder, after.request_id
+        assert conversation is not None
         event = conversation.settling
         try:
             retained = None
@@ -396,6 +589,11 @@ class TurnRunner:
                 retained = await self.leases.published(
                     holder.control_url, request_id, self.config.publish_wait_s
                 )
+            target = after.target_control_url
+            if after.supersedes is not None and retained is None and target is not None:
+                # A decode-local turn that left nothing behind: its new lease would have
+                # superseded the previous one; free that now instead.
+                await self.leases.release(target, after.supersedes)
             if retained is None or holder is None:
                 self.store.forget_kv(conversation)
             elif self.store.peek(conversation.key) is not conversation:
@@ -403,18 +601,51 @@ class TurnRunner:
                 assert holder.control_url is not None
                 await self.leases.release(holder.control_url, request_id)
             else:
+                holder.block_size = int(retained.get(BLOCK_SIZE_KEY) or holder.block_size)
+                holder.kv_bytes_per_token = int(
+                    retained.get(KV_BYTES_PER_TOKEN_KEY) or holder.kv_bytes_per_token
+                )
+                # What the next prompt must start with for the holder's cache to serve it: this
+                # turn's prompt. (Its reply, re-rendered from text by the chat template, need
+                # not come back as the same tokens; the cache still serves what matches.)
+                digests = retained.get(PREFIX_DIGESTS_KEY) or []
+                chunks = min(len(digests), after.prompt_tokens // DIGEST_CHUNK_TOKENS)
                 self.store.record_retained(
                     conversation,
                     holder.url,
                     request_id,
                     held_tokens=int(retained.get("remote_num_tokens") or 0),
                     lease_expires_in_s=float(retained.get("expires_in_s") or 0),
+                    held_digest=str(digests[chunks - 1]) if chunks else None,
+                    held_digest_tokens=chunks * DIGEST_CHUNK_TOKENS,
                 )
         finally:
             if event is not None:
                 event.set()
             if conversation.settling is event:
                 conversation.settling = None
+
+
+@dataclass(slots=True)
+class _After:
+    """What the gateway records once a turn's reply is over."""
+
+    conversation: Conversation | None
+    #: The decode that served the turn and may retain its KV (``None``: it retains nothing).
+    holder: Instance | None
+    request_id: str
+    #: ``decode-local``: the lease the new one supersedes on the same decode.
+    supersedes: str | None
+    #: Implicit conversations: the digest of the turn's messages, and the reply that extends it.
+    implicit: bytes | None
+    #: The turn's prompt tokens (what the next turn's prompt starts with, unedited).
+    prompt_tokens: int = 0
+    reply: dict[str, Any] | None = None
+    target_control_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.holder is not None:
+            self.target_control_url = self.holder.control_url
 
 
 #: The event a streamed reply ends with when decode's stream breaks off mid-way.
@@ -436,19 +667,20 @@ class _Relay:
         self,
         runner: TurnRunner,
         upstream: StreamResponse,
-        instance: Instance,
-        conversation: Conversation | None,
-        request_id: str,
-        plan: str,
+        prefilled: PrefillResult,
+        after: _After,
         started: float,
+        sent: float,
     ):
         self.runner = runner
         self.upstream = upstream
-        self.instance = instance
-        self.conversation = conversation
-        self.request_id = request_id
-        self.plan = plan
+        self.prefilled = prefilled
+        self.after = after
+        assert after.holder is not None
+        self.instance = after.holder
         self.started = started
+        self.sent = sent
+        self.collector = ReplyCollector() if after.implicit is not None else None
         self.first = True
         self.closed = False
         self.broken = False
@@ -469,21 +701,34 @@ class _Relay:
             self.runner.metrics.upstream_errors_by["decode"].inc()
             self.broken = True
             return _STREAM_BROKE
-        if chunk is not None and self.first:
-            self.first = False
-            self.runner.metrics.ttft_by[self.plan].observe(time.perf_counter() - self.started)
+        if chunk is not None:
+            if self.first:
+                self.first = False
+                now = time.perf_counter()
+                runner, prefilled = self.runner, self.prefilled
+                runner.metrics.ttft_by[prefilled.plan.plan].observe(now - self.started)
+                runner._count(prefilled, self.instance)
+                since = prefilled.finished_at if prefilled.instance is not None else self.sent
+                runner._learn_first_token(prefilled, self.instance, now - since)
+            if self.collector is not None:
+                self.collector.feed(chunk)
         return chunk
 
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
-        completed = self.upstream.at_end
+        completed = self.upstream.at_end and not self.broken
         await self.upstream.aclose()
         self.instance.in_flight -= 1
-        self.runner._settle_later(
-            self.conversation, self.instance if completed else None, self.request_id
-        )
+        if self.first:
+            # Closed before any chunk: decode took the turn all the same.
+            self.runner._count(self.prefilled, self.instance)
+        if not completed:
+            self.after.holder = None
+        elif self.collector is not None:
+            self.after.reply = self.collector.message()
+        self.runner._settle_later(self.after)
 
 
 def _mark_settling(conversation: Conversation | None) -> None:

@@ -48,10 +48,16 @@ class Upstream:
         return self._client
 
     async def post_json(
-        self, url: str, body: Any, headers: Mapping[str, str] | None = None
+        self,
+        url: str,
+        body: Any,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> Response:
         try:
-            return await self.client.request("POST", url, orjson.dumps(body), self._with(headers))
+            return await self.client.request(
+                "POST", url, orjson.dumps(body), self._with(headers), timeout_s=timeout_s
+            )
         except HttpError as error:
             raise UpstreamUnavailable(f"{url}: {error}") from error
 

@@ -16,6 +16,11 @@ PAUSE_KIND: Final = "X-Kvturn-Pause-Kind"
 
 #: How the gateway served the turn: ``recompute``, ``pull-reuse`` or ``decode-local``.
 PLAN: Final = "X-Kvturn-Plan"
+#: Why the gateway chose that plan (e.g. ``cheaper``, ``first-turn``, ``suffix-too-long``).
+PLAN_REASON: Final = "X-Kvturn-Plan-Reason"
+#: vllm-router's session header (vLLM's multi-turn benchmark sends it): read as a
+#: conversation id when ``X-Conversation-Id`` is absent (client → gateway).
+SESSION_ID: Final = "X-Session-ID"
 #: How many prompt tokens came from KV the conversation already had.
 REUSED_TOKENS: Final = "X-Kvturn-Reused-Tokens"
 

@@ -14,6 +14,7 @@ Field names follow vLLM's NixlConnector (0.32/0.33). kvturn adds two keys of its
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -33,6 +34,10 @@ PREFILL_FOR_REMOTE_DECODE: Final[dict[str, Any]] = {
 #: Tokens covered by one prefix digest. Reuse is trimmed to a multiple of this.
 DIGEST_CHUNK_TOKENS: Final = 16
 PREFIX_DIGESTS_KEY: Final = "kvturn_prefix_digests"
+#: The holder's KV block size (tokens): its prefix cache serves whole blocks only.
+BLOCK_SIZE_KEY: Final = "kvturn_block_size"
+#: Bytes one token's KV occupies on the holder (all layers), for "KV bytes moved".
+KV_BYTES_PER_TOKEN_KEY: Final = "kvturn_kv_bytes_per_token"
 
 
 def prefix_digests(token_ids: Sequence[int], chunk: int = DIGEST_CHUNK_TOKENS) -> list[str]:
@@ -41,17 +46,32 @@ def prefix_digests(token_ids: Sequence[int], chunk: int = DIGEST_CHUNK_TOKENS) -
     Digest ``i`` commits to tokens ``[0, (i + 1) * chunk)``, so two sequences share their first
     ``k`` digests exactly when their first ``k * chunk`` tokens are equal.
     """
-    digests: list[str] = []
+    return [d.hex() for d in _chain(token_ids, len(token_ids) // chunk, chunk)]
+
+
+def last_prefix_digest(
+    token_ids: Sequence[int], tokens: int, chunk: int = DIGEST_CHUNK_TOKENS
+) -> str | None:
+    """``prefix_digests(token_ids[:tokens])[-1]`` (``None`` if ``token_ids`` is shorter than
+    ``tokens`` or ``tokens`` covers no full chunk): whether a prompt starts with what a holder
+    retains, checked against the one digest the gateway keeps."""
+    if tokens < chunk or len(token_ids) < tokens:
+        return None
+    digests = _chain(token_ids, tokens // chunk, chunk)
+    return digests[-1].hex()
+
+
+def _chain(token_ids: Sequence[int], chunks: int, chunk: int) -> list[bytes]:
+    # Token ids as little-endian uint32, packed once (ids are below 2**32 in every vocabulary).
+    packed = struct.pack(f"<{chunks * chunk}I", *token_ids[: chunks * chunk])
+    step = 4 * chunk
+    digests: list[bytes] = []
     previous = b""
-    for start in range(0, len(token_ids) - chunk + 1, chunk):
+    for start in range(0, chunks * step, step):
         h = hashlib.blake2b(previous, digest_size=12)
-        h.update(
-            b"".join(
-                int(t).to_bytes(4, "little", signed=False) for t in token_ids[start : start + chunk]
-            )
-        )
+        h.update(packed[start : start + step])
         previous = h.digest()
-        digests.append(previous.hex())
+        digests.append(previous)
     return digests
 
 

@@ -1,0 +1,195 @@
+"""Implicit conversations: reuse for clients that send no conversation id.
+
+A plain OpenAI client resends the whole history every turn: turn ``k + 1``'s messages are
+turn ``k``'s messages, then turn ``k``'s reply, then what is new. The gateway keeps, for each
+recent turn, one digest of *its messages plus its reply* (chained over messages, so a request's
+digests of every prefix come from one pass over it) and the conversation it belonged to. A
+request without an id whose messages start with such a prefix is that conversation's next turn.
+
+Matching only finds the conversation; it never decides what KV is reused. Every plan verifies
+exact token ids (decode's prefix cache hashes them, prefill's pull checks the holder's digests),
+so a false match, an edited message or a reply the client reformatted costs reuse, never an
+answer. Two requests that extend the same turn (branches) both find it; the first takes its KV,
+the other recomputes or reuses what still matches. Digests are seeded with the caller's tenant
+and the model, so tenants never match each other's turns. Memory is bounded: one entry per
+recent turn, least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+#: Message fields that decide what the model sees (ids of tool calls are the engine's random
+#: names that clients echo back, or not: left out, so either way matches).
+_DIGEST_SIZE = 16
+
+
+def _text(content: Any) -> str:
+    """A message's content as one string: ``None`` and ``""`` alike, text parts joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                parts.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
+        return "".join(parts)
+    return orjson.dumps(content, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _arguments(arguments: Any) -> Any:
+    """Tool-call arguments as data: frameworks re-serialise the JSON string they were given."""
+    if isinstance(arguments, str):
+        try:
+            return orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def canonical_message(message: dict[str, Any]) -> bytes:
+    """The bytes a message is digested as: role, text, name and tool calls (name, arguments)."""
+    calls = message.get("tool_calls") or ()
+    canonical: list[Any] = [message.get("role"), _text(message.get("content")), message.get("name")]
+    if calls:
+        canonical.append(
+            [
+                [
+                    (call.get("function") or {}).get("name"),
+                    _arguments((call.get("function") or {}).get("arguments")),
+                ]
+                for call in calls
+                if isinstance(call, dict)
+            ]
+        )
+    return orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)
+
+
+def message_digests(seed: str, messages: Sequence[Any]) -> list[bytes]:
+    """Digest ``i`` commits to the seed and ``messages[: i + 1]``."""
+    digests: list[bytes] = []
+    previous = hashlib.blake2b(seed.encode(), digest_size=_DIGEST_SIZE).digest()
+    for message in messages:
+        h = hashlib.blake2b(previous, digest_size=_DIGEST_SIZE)
+        h.update(canonical_message(message) if isinstance(message, dict) else b"?")
+        previous = h.digest()
+        digests.append(previous)
+    return digests
+
+
+def extend(digest: bytes, message: dict[str, Any]) -> bytes:
+    """The digest of the messages ``digest`` commits to, then ``message``."""
+    h = hashlib.blake2b(digest, digest_size=_DIGEST_SIZE)
+    h.update(canonical_message(message))
+    return h.digest()
+
+
+def seed(tenant: str, model: Any) -> str:
+    return f"{tenant}\0{model}"
+
+
+class ImplicitIndex:
+    """Digest of a recent turn's messages plus reply → the conversation (its key in the table,
+    its id). LRU-bounded."""
+
+    def __init__(self, max_entries: int):
+        self._items: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
+        self._max = max_entries
+
+    def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
+        """The conversation of the recorded turn that the longest prefix of ``digests`` ends."""
+        for digest in reversed(digests):
+            found = self._items.get(digest)
+            if found is not None:
+                self._items.move_to_end(digest)
+                return found
+        return None
+
+    def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
+        self._items[digest] = conversation
+        self._items.move_to_end(digest)
+        while len(self._items) > self._max:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class ReplyCollector:
+    """Rebuilds the assistant message a streamed chat reply amounts to, from its SSE chunks
+    (content and tool calls), as the client will send it back next turn."""
+
+    __slots__ = ("_tail", "calls", "content", "failed")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, list[str]]] = {}
+        self.failed = False
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.failed:
+            return
+        data = self._tail + chunk
+        events = data.split(b"\n\n")
+        self._tail = events.pop()
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]" or not payload:
+                    continue
+                try:
+                    self._delta(orjson.loads(payload))
+                except (orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
+                    self.failed = True
+                    return
+
+    def _delta(self, event: dict[str, Any]) -> None:
+        for choice in event.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                self.failed = True  # n > 1: which choice comes back is the client's to say
+                return
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                slot = self.calls.setdefault(int(call.get("index", 0)), {"name": [], "args": []})
+                function = call.get("function") or {}
+                if function.get("name"):
+                    slot["name"].append(function["name"])
+                if function.get("arguments"):
+                    slot["args"].append(function["arguments"])
+
+    def message(self) -> dict[str, Any] | None:
+        if self.failed:
+            return None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": "".join(c["name"]), "arguments": "".join(c["args"])},
+                }
+                for _, c in sorted(self.calls.items())
+            ]
+        return message
+
+
+def reply_message(response: dict[str, Any]) -> dict[str, Any] | None:
+    """The assistant message of a non-streamed chat response with one choice."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    return message if isinstance(message, dict) else None

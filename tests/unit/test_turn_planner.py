@@ -1,0 +1,306 @@
+"""The turn planner's branches, its learned costs, and implicit conversations (pure code)."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from kvturn.gateway.conversations import ConversationStore
+from kvturn.gateway.implicit import (
+    ImplicitIndex,
+    ReplyCollector,
+    extend,
+    message_digests,
+    reply_message,
+    seed,
+)
+from kvturn.gateway.planner import (
+    PRIOR_LOCAL,
+    CostModel,
+    LinearCost,
+    LocalLimits,
+    ReuseInputs,
+    choose_reuse,
+    plan_turn,
+)
+from kvturn.kv_params import last_prefix_digest, prefix_digests
+
+HOLDER = "http://decode-0"
+PREFILL = "http://prefill-0"
+
+
+def _inputs(**changes: object) -> ReuseInputs:
+    base: dict[str, object] = {
+        "held_tokens": 4000,
+        "prompt_tokens": 4200,
+        "prefix_matches": True,
+        "covered_tokens": 3984,
+        "holder_running": 0,
+        "holder_url": HOLDER,
+        "prefill_url": PREFILL,
+    }
+    base.update(changes)
+    return ReuseInputs(**base)  # type: ignore[arg-type]
+
+
+def _choose(limits: LocalLimits | None = None, costs: CostModel | None = None, **changes: object):
+    return choose_reuse(_inputs(**changes), limits or LocalLimits(), costs or CostModel())
+
+
+# ---- choose_reuse: one test per branch ----------------------------------------------------------
+
+
+def test_costs_not_yet_learned_short_suffix_continues_on_the_holder() -> None:
+    # Priors only (no turn observed yet): a 200-token tool result on a 4k history.
+    plan = _choose()
+    assert (plan.plan, plan.reason) == ("decode-local", "cheaper")
+    costs = CostModel()
+    assert costs.local_seconds(HOLDER, 200) < costs.pull_seconds(PREFILL, 4000, 200)
+
+
+def test_suffix_too_long_for_a_local_prefill_goes_to_pd() -> None:
+    limits = LocalLimits(max_suffix_tokens=512)
+    assert _choose(limits, prompt_tokens=3984 + 512).plan == "decode-local"
+    plan = _choose(limits, prompt_tokens=3984 + 513)
+    assert (plan.plan, plan.reason) == ("pull-reuse", "suffix-too-long")
+
+
+def test_holder_overloaded_goes_to_pd() -> None:
+    plan = _choose(LocalLimits(max_running=4), holder_running=4)
+    assert (plan.plan, plan.reason) == ("pull-reuse", "holder-busy")
+
+
+def test_stall_on_the_holders_streams_tips_a_long_suffix_to_pd() -> None:
+    # A 1,500-token local prefill is cheap for this turn alone, but delays every stream the
+    # holder is decoding: with three of them, P/D is cheaper overall.
+    assert _choose(prompt_tokens=5500, holder_running=0).plan == "decode-local"
+    plan = _choose(prompt_tokens=5500, holder_running=3)
+    assert (plan.plan, plan.reason) == ("pull-reuse", "cheaper")
+    # Without the stall term the same turn stays local.
+    assert _choose(LocalLimits(stall_weight=0), prompt_tokens=5500, holder_running=3).local
+
+
+def test_edited_history_pulls_what_still_matches() -> None:
+    plan = _choose(prefix_matches=False)
+    assert (plan.plan, plan.reason) == ("pull-reuse", "history-edited")
+
+
+def test_unknown_counts_and_local_off_pull() -> None:
+    assert _choose(prompt_tokens=None).reason == "reuse"
+    assert _choose(prefix_matches=None).reason == "reuse"
+    plan = _choose(LocalLimits(enabled=False))
+    assert (plan.plan, plan.reason) == ("pull-reuse", "local-off")
+
+
+def test_learned_costs_decide_a_slow_holder_loses_to_pd() -> None:
+    costs = CostModel()
+    # The holder turns out slow at prefill (a busy GPU, a smaller one): 1 ms a token.
+    for suffix in (100, 300, 600, 900):
+        costs.observe_local(HOLDER, suffix, 0.02 + suffix * 1e-3)
+    # Prefill is fast, and pulls are cheap.
+    for tokens in (500, 1000, 2000, 4000):
+        costs.observe_prefill(PREFILL, tokens, 0, 0.01 + tokens * 2e-5)
+    plan = choose_reuse(_inputs(prompt_tokens=4400), LocalLimits(), costs)
+    assert (plan.plan, plan.reason) == ("pull-reuse", "cheaper")
+    assert choose_reuse(_inputs(prompt_tokens=4010), LocalLimits(), costs).local
+
+
+# ---- plan_turn: whether there is anything to reuse -----------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_about_to_expire_and_holder_gone_recompute() -> None:
+    clock = Clock()
+    store = ConversationStore(10, clock=clock)
+    conversation = store.get_or_create("c")
+    store.record_retained(conversation, HOLDER, "r1", 4000, lease_expires_in_s=10)
+
+    def reason(healthy: bool = True) -> str:
+        return plan_turn(
+            conversation, clock(), holder_healthy=healthy, expiry_margin_s=0.5,
+            threshold_tokens=64,
+        ).reason  # fmt: skip
+
+    assert reason() == "reuse"
+    assert reason(healthy=False) == "holder-unhealthy"
+    clock.now += 9.6  # 0.4 s left: inside the margin
+    assert reason() == "lease-expired"
+
+
+# ---- learned costs -------------------------------------------------------------------------------
+
+
+def test_linear_cost_starts_at_its_prior_and_learns_the_engine() -> None:
+    cost = LinearCost(*PRIOR_LOCAL)
+    assert cost.coefficients() == pytest.approx(PRIOR_LOCAL)
+    rng = random.Random(7)
+    for _ in range(60):
+        tokens = rng.randrange(50, 3000)
+        cost.observe(tokens, 0.004 + tokens * 4e-4 + rng.uniform(-1e-3, 1e-3))
+    fixed, per_token = cost.coefficients()
+    assert per_token == pytest.approx(4e-4, rel=0.05)
+    assert fixed == pytest.approx(0.004, abs=0.003)
+    # Nonsense observations are ignored.
+    cost.observe(100, float("nan"))
+    cost.observe(100, -1.0)
+    assert cost.coefficients() == (fixed, per_token)
+
+
+def test_pull_cost_is_learned_from_what_a_pull_adds_to_prefill() -> None:
+    costs = CostModel()
+    for tokens in (256, 1024, 4096):
+        costs.observe_prefill(PREFILL, tokens, 0, 0.01 + tokens * 1e-4)
+    for held in (1000, 4000, 8000):
+        # 200 computed tokens plus 5 us a pulled token.
+        costs.observe_prefill(PREFILL, 200, held, 0.01 + 200 * 1e-4 + held * 5e-6)
+    assert costs.pull.predict(8000) - costs.pull.predict(0) == pytest.approx(0.04, rel=0.2)
+    snapshot = costs.snapshot()
+    assert set(snapshot) == {"prefill", "local", "pull", "handoff"}
+    assert snapshot["prefill"][PREFILL]["observations"] == 3  # type: ignore[index]
+
+
+# ---- exact-prefix digest the gateway keeps ----------------------------------------------------
+
+
+def test_last_prefix_digest_is_the_holders_last_digest() -> None:
+    rng = random.Random(3)
+    held = [rng.randrange(50_000) for _ in range(1000)]
+    digests = prefix_digests(held)
+    covered = len(digests) * 16
+    prompt = held + [rng.randrange(50_000) for _ in range(300)]
+    assert last_prefix_digest(prompt, covered) == digests[-1]
+    edited = list(prompt)
+    edited[500] += 1
+    assert last_prefix_digest(edited, covered) != digests[-1]
+    assert last_prefix_digest(held[:100], covered) is None  # shorter than what is held
+    assert last_prefix_digest(prompt, 8) is None  # covers no full chunk
+
+
+# ---- implicit conversations -----------------------------------------------------------------
+
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+USER = {"role": "user", "content": "Weather in Paris?"}
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "chatcmpl-tool-1",
+            "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+        }
+    ],
+}
+
+
+def test_a_resent_history_finds_its_conversation_whatever_the_client_reformatted() -> None:
+    index = ImplicitIndex(100)
+    s = seed("tenant", "tiny")
+    turn1 = [SYSTEM, USER]
+    index.record(extend(message_digests(s, turn1)[-1], CALL), ("key-1", "implicit-1"))
+    # The framework echoes the reply back with another call id, "" for None, the arguments
+    # re-serialised, and SDK-only fields.
+    echoed = {
+        "role": "assistant",
+        "content": "",
+        "refusal": None,
+        "tool_calls": [
+            {
+                "id": "call_other",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city":"Paris"}'},
+            }
+        ],
+    }
+    turn2 = [*turn1, echoed, {"role": "tool", "tool_call_id": "call_other", "content": "22C"}]
+    assert index.match(message_digests(s, turn2)) == ("key-1", "implicit-1")
+    # Another tenant, another model, or a changed message: no match.
+    assert index.match(message_digests(seed("other", "tiny"), turn2)) is None
+    assert index.match(message_digests(seed("tenant", "big"), turn2)) is None
+    changed = [SYSTEM, {"role": "user", "content": "Weather in Rome?"}, *turn2[2:]]
+    assert index.match(message_digests(s, changed)) is None
+
+
+def test_branches_of_a_conversation_both_find_it_and_the_index_is_bounded() -> None:
+    index = ImplicitIndex(3)
+    s = seed("", "tiny")
+    reply = {"role": "assistant", "content": "Hello."}
+    base = [USER]
+    index.record(extend(message_digests(s, base)[-1], reply), ("k", "c"))
+    left = [*base, reply, {"role": "user", "content": "left"}]
+    right = [*base, reply, {"role": "user", "content": "right"}]
+    assert index.match(message_digests(s, left)) == ("k", "c")
+    assert index.match(message_digests(s, right)) == ("k", "c")
+    for i in range(3):
+        index.record(bytes([i]) * 16, (f"k{i}", f"c{i}"))
+    assert len(index) == 3
+    assert index.match(message_digests(s, left)) is None  # the oldest entry went
+
+
+def test_reply_collector_rebuilds_a_streamed_reply() -> None:
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Let me "}}]},
+        {"choices": [{"index": 0, "delta": {"content": "check."}}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "x",
+                                "function": {"name": "weather", "arguments": ""},
+                            }
+                        ]
+                    },
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]
+                    },
+                }
+            ]
+        },
+    ]
+    raw = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    collector = ReplyCollector()
+    # Chunk boundaries fall anywhere: split the byte stream at odd places.
+    for start in range(0, len(raw), 37):
+        collector.feed(raw[start : start + 37])
+    message = collector.message()
+    assert message is not None
+    assert message["content"] == "Let me check."
+    assert message["tool_calls"][0]["function"] == {
+        "name": "weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    twice = ReplyCollector()
+    twice.feed(b'data: {"choices":[{"index":1,"delta":{"content":"b"}}]}\n\n')
+    assert twice.message() is None  # n > 1: not recorded
+    assert reply_message({"choices": [{"message": {"role": "assistant", "content": "x"}}]})
+    assert reply_message({"choices": []}) is None
