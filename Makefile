@@ -6,8 +6,11 @@ PY := .venv/bin/python
 setup:
 	@scripts/setup.sh
 
+# The example agent `make demo` runs: openai (default), agents or langgraph.
+AGENT ?= openai
+
 demo: setup
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py --agent $(AGENT)
 
 lint: setup
 	$(PY) -m ruff check .

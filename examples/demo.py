@@ -1,16 +1,22 @@
-"""The main job: local engines + gateway, then the log agent through it, TTFT per turn.
+"""The main job: local engines + gateway, then one of the example agents through it.
 
-    make demo          # = .venv/bin/python examples/demo.py
+    make demo                   # = .venv/bin/python examples/demo.py --agent openai
+    make demo AGENT=agents      # the OpenAI Agents SDK code agent (examples/code_agent.py)
+    make demo AGENT=langgraph   # the LangGraph SQL agent (examples/sql_agent.py)
 
 Starts ``kvturn up --model smollm2`` (1 prefill + 1 decode vLLM engine on this machine's CPUs,
-real NIXL transfers, the gateway on port 8000), runs ``examples/log_agent.py`` against it, prints
-a per-turn table (context tokens, plan, reused tokens, TTFT with reuse beside TTFT without),
-and stops everything.
+real NIXL transfers, the gateway on port 8000), runs the agent against it, replays each of its
+model calls recomputed (no conversation id, a fresh ``cache_salt``), prints a per-call table
+(context tokens, plan, reused tokens, TTFT with reuse beside TTFT recomputed, same answer or
+not), writes the same as a PNG (``.kvturn/demo/ttft-<agent>.png``), and stops everything.
+While it runs, ``.venv/bin/kvturn top --url http://127.0.0.1:8000`` in another terminal shows
+the gateway live.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import signal
 import subprocess
@@ -20,15 +26,44 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import log_agent
+
+AGENTS = {
+    "openai": "plain openai SDK on kvturn.client: an on-call agent reading an incident log",
+    "agents": "OpenAI Agents SDK: questions about this repository's code (list, grep, read)",
+    "langgraph": "LangGraph: a SQL agent over a SQLite database of planets and moons",
+}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_agent(agent: str, base_url: str, model: str, png: Path, turns: int) -> None:
+    if agent == "openai":
+        import log_agent
+
+        log_agent.report(log_agent.run_agent(base_url, model, turns), base_url, True, png)
+    elif agent == "agents":
+        import code_agent
+
+        outcome = asyncio.run(code_agent.run_agent(base_url, model, REPO))
+        code_agent.report(outcome, base_url, True, png)
+    else:
+        import sql_agent
+
+        sql_agent.report(sql_agent.run_agent(base_url, model), base_url, True, png)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--agent", default="openai", choices=sorted(AGENTS))
     parser.add_argument("--model", default="smollm2", help="smollm2 (real text) or tiny")
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=6, help="model calls of the openai agent")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--png", type=Path, default=None, help="default .kvturn/demo/ttft-AGENT.png"
+    )
     args = parser.parse_args()
+    png = args.png or REPO / ".kvturn" / "demo" / f"ttft-{args.agent}.png"
 
     state_file = Path(tempfile.mkdtemp(prefix="kvturn-demo-")) / "state.json"
     up = subprocess.Popen(
@@ -42,10 +77,9 @@ def main() -> int:
                 return 1
             time.sleep(1)
         state = json.loads(state_file.read_text())
-        print(f"\nkvturn demo: {args.turns}-turn tool-calling agent through {state['gateway']}\n")
-        reports = log_agent.run(state["gateway"], state["model"], args.turns)
-        print()
-        log_agent.print_table(reports)
+        print(f"\nkvturn demo: {AGENTS[args.agent]}, through {state['gateway']}")
+        print(f"(live view: .venv/bin/kvturn top --url http://127.0.0.1:{args.port})\n")
+        run_agent(args.agent, state["gateway"], state["model"], png, args.turns)
         return 0
     finally:
         up.send_signal(signal.SIGINT)

@@ -6,7 +6,12 @@ hundred tokens a turn: exactly the traffic whose history kvturn keeps from being
     .venv/bin/python examples/log_agent.py --base-url http://127.0.0.1:8000/v1
 
 Small models do not call tools reliably, so each reading turn names the tool in ``tool_choice``
-(vLLM then constrains the output to a valid call); the last turn answers in prose.
+(vLLM then constrains the output to a valid call) and the section is an enum; the last turn
+answers in prose (``tool_choice="none"``, the tools still offered so the prompt prefix stays).
+
+Prints one row per model call: plan, reused tokens, TTFT through kvturn beside the same call
+recomputed (replayed with no conversation id and a fresh ``cache_salt``), and whether both
+answers are the same.
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import openai
+
+sys.path.insert(0, str(Path(__file__).parent))
+import turn_report
 
 from kvturn.client import OpenAI
 
@@ -33,11 +42,14 @@ TOOLS = [
         "function": {
             "name": "read_log",
             "description": "Read one section of the incident log.",
+            # Strict, with an enum: vLLM pins a forced call's arguments to the schema only for
+            # strict tools, and an enum keeps a small model's call short and valid.
+            "strict": True,
             "parameters": {
                 "type": "object",
-                # An enum keeps a small model's constrained call short and always valid JSON.
                 "properties": {"section": {"enum": list(range(1, 13)), "description": "section"}},
                 "required": ["section"],
+                "additionalProperties": False,
             },
         },
     }
@@ -61,113 +73,100 @@ def read_log(section: int, lines: int = 16) -> str:
 
 
 @dataclass
-class TurnReport:
-    turn: int
-    context_tokens: int
-    plan: str
-    reused_tokens: int
-    ttft_s: float
-    ttft_without_s: float | None
-    output: str
+class Outcome:
+    calls: list[turn_report.Call]
+    answer: str
 
 
-def stream_turn(
-    client: openai.OpenAI, model: str, messages: list[dict[str, Any]], final: bool
-) -> tuple[float, dict[str, Any], Any, Any]:
-    """One streamed turn: (TTFT, the assistant message, usage, raw response headers)."""
-    started = time.perf_counter()
-    choice: Any = "none" if final else {"type": "function", "function": {"name": "read_log"}}
-    raw = client.chat.completions.with_raw_response.create(
-        model=model, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0,
-        max_tokens=96 if final else 24, stream=True, stream_options={"include_usage": True},
+def run_agent(
+    base_url: str,
+    model: str,
+    turns: int = 6,
+    api_key: str = "unused",
+    max_tokens: int = 24,
+    answer_max_tokens: int = 96,
+) -> Outcome:
+    """Run the agent through kvturn (plain openai SDK calls on ``kvturn.client.OpenAI``);
+    every model call is recorded."""
+    recorder = turn_report.Recorder()
+    client = OpenAI(
+        base_url=base_url, api_key=api_key, max_retries=1, timeout=600,
+        http_client=openai.DefaultHttpxClient(transport=recorder.transport()),
     )  # fmt: skip
-    ttft = None
-    text, arguments, name, usage = "", "", None, None
-    for chunk in raw.parse():
-        if ttft is None:
-            ttft = time.perf_counter() - started
-        usage = chunk.usage or usage
-        for c in chunk.choices:
-            text += c.delta.content or ""
-            for call in c.delta.tool_calls or []:
-                name = call.function.name or name if call.function else name
-                arguments += (call.function.arguments or "") if call.function else ""
-    message: dict[str, Any] = {"role": "assistant", "content": text or None}
-    if name:
-        message["tool_calls"] = [
-            {"id": f"call_{len(messages)}", "type": "function",
-             "function": {"name": name, "arguments": arguments or "{}"}}
-        ]  # fmt: skip
-    return ttft or 0.0, message, usage, raw.headers
-
-
-def run(base_url: str, model: str, turns: int, compare: bool = True) -> list[TurnReport]:
-    """Run the agent through kvturn; with ``compare``, replay each turn without reuse too."""
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=1, timeout=600)
-    plain = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=1, timeout=600)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "The checkout service is failing. What happened?"},
     ]
-    reports = []
-    with client.conversation() as conversation:
+    answer = ""
+    with client.conversation():
         for turn in range(1, turns + 1):
             final = turn == turns
             if final:
                 messages.append({"role": "user", "content": FINAL_QUESTION})
-            ttft, message, usage, headers = stream_turn(client, model, messages, final)
-            without = stream_turn(plain, model, messages, final)[0] if compare else None
-            reports.append(
-                TurnReport(
-                    turn, usage.prompt_tokens if usage else 0, headers.get("x-kvturn-plan", "?"),
-                    int(headers.get("x-kvturn-reused-tokens", 0)), ttft, without,
-                    message["content"] or json.dumps(message.get("tool_calls")),
-                )
+            choice: Any = (
+                "none" if final else {"type": "function", "function": {"name": "read_log"}}
+            )
+            stream = client.chat.completions.create(
+                model=model, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0,
+                max_tokens=answer_max_tokens if final else max_tokens, stream=True,
+                stream_options={"include_usage": True},
             )  # fmt: skip
+            text, arguments, name = "", "", None
+            for chunk in stream:
+                for c in chunk.choices:
+                    text += c.delta.content or ""
+                    for call in c.delta.tool_calls or []:
+                        if call.function is not None:
+                            name = call.function.name or name
+                            arguments += call.function.arguments or ""
+            message: dict[str, Any] = {"role": "assistant", "content": text or None}
+            if name:
+                message["tool_calls"] = [
+                    {"id": f"call_{turn}", "type": "function",
+                     "function": {"name": name, "arguments": arguments or "{}"}}
+                ]  # fmt: skip
             messages.append(message)
-            if not final:
-                # The tool runs: this pause is what heartbeats keep the KV alive through.
+            if final:
+                answer = text
+                break
+            # The tool runs: this pause is what heartbeats keep the KV alive through.
+            try:
+                section = int(json.loads(arguments)["section"])
+            except (ValueError, KeyError, TypeError):
                 section = turn
-                calls = message.get("tool_calls") or []
-                if calls:
-                    try:
-                        section = int(json.loads(calls[0]["function"]["arguments"])["section"])
-                    except (ValueError, KeyError, TypeError):
-                        section = turn
-                messages.append(
-                    {"role": "tool", "tool_call_id": calls[0]["id"] if calls else "none",
-                     "content": read_log(section % 97 + turn)}
-                )  # fmt: skip
-        del conversation
+            messages.append(
+                {"role": "tool", "tool_call_id": f"call_{turn}",
+                 "content": read_log(section % 97 + turn)}
+            )  # fmt: skip
     client.close()
-    return reports
+    return Outcome(recorder.calls, answer)
 
 
-def print_table(reports: list[TurnReport]) -> None:
-    print(
-        f"{'turn':>4} {'context':>8} {'plan':>11} {'reused':>7} "
-        f"{'TTFT kvturn':>12} {'TTFT recompute':>15}"
-    )
-    for r in reports:
-        without = f"{r.ttft_without_s * 1000:12.0f} ms" if r.ttft_without_s is not None else "-"
-        print(
-            f"{r.turn:>4} {r.context_tokens:>8} {r.plan:>11} {r.reused_tokens:>7} "
-            f"{r.ttft_s * 1000:9.0f} ms {without:>15}"
-        )
-    print(f"\nfinal answer: {reports[-1].output.strip()[:400]}")
+def report(outcome: Outcome, base_url: str, compare: bool, png: Path | None) -> list[Any]:
+    rows = turn_report.replay(outcome.calls, base_url, compare=compare)
+    turn_report.print_table(rows)
+    print(f"\nfinal answer: {outcome.answer.strip()[:400]}")
+    if png is not None:
+        print(f"\nwrote {turn_report.plot(rows, png, 'openai SDK log agent: TTFT per model call')}")
+    return rows
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default=None, help="default: the first model the server lists")
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--no-compare", action="store_true", help="skip the recompute replays")
+    parser.add_argument("--png", type=Path, default=None, help="also draw the table as a PNG")
     args = parser.parse_args()
     model = (
         args.model or openai.OpenAI(base_url=args.base_url, api_key="-").models.list().data[0].id
     )
-    print_table(run(args.base_url, model, args.turns, compare=not args.no_compare))
+    report(
+        run_agent(args.base_url, model, args.turns), args.base_url, not args.no_compare, args.png
+    )
     return 0
 
 

@@ -1,0 +1,131 @@
+"""The three example agents (``examples/``) on the session's real 1P1D pair (tiny model).
+
+Each agent runs unchanged through the gateway (its tools doing their real work), every model
+call it made is replayed recomputed (no conversation id, a fresh ``cache_salt``), and:
+
+- the first call recomputes, every later one reuses the conversation's KV (a plan other than
+  ``recompute``; pulled tokens when the plan is ``pull-reuse``);
+- every replay was a plain recompute, and its answer (text and tool calls) equals the answer
+  the agent got through kvturn;
+- the tools ran on real data, with the arguments the model chose.
+
+The random-weight test model pads a forced call's JSON with whitespace, so the tool calls get a
+larger ``max_tokens`` than the demo's real model needs; the answers are cut short to save time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import LocalPair
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import code_agent  # noqa: E402
+import log_agent  # noqa: E402
+import sql_agent  # noqa: E402
+import turn_report  # noqa: E402
+
+pytestmark = pytest.mark.engines
+
+TOOL_MAX_TOKENS = 512
+ANSWER_MAX_TOKENS = 16
+
+
+def check_reuse_and_answers(rows: list[turn_report.Row], calls: int) -> None:
+    assert len(rows) == calls, [turn_report.step_label(r.kvturn) for r in rows]
+    for row in rows:
+        assert row.kvturn.status == 200 and row.kvturn.answer is not None, row.kvturn.raw[:300]
+        assert row.kvturn.ttft_s is not None and row.kvturn.ttft_s > 0
+        assert row.recomputed is not None
+        assert row.recomputed.plan == "recompute" and row.recomputed.reused_tokens == 0
+    assert rows[0].kvturn.plan == "recompute"
+    for row in rows[1:]:
+        assert row.kvturn.plan not in (None, "recompute"), f"call {row.index} did not reuse"
+        if row.kvturn.plan == "pull-reuse":
+            assert row.kvturn.reused_tokens > 0, f"call {row.index}"
+    for row in rows:
+        assert row.kvturn.answer is not None and row.recomputed.answer is not None
+        ours, theirs = row.kvturn.answer, row.recomputed.answer
+        assert (ours.text, ours.tool_calls) == (theirs.text, theirs.tool_calls), (
+            f"call {row.index}: the answer with reuse differs from the same call recomputed"
+        )
+    # The context grew turn by turn (what makes reuse worth it).
+    contexts = [r.context_tokens for r in rows]
+    assert all(c is not None for c in contexts) and contexts == sorted(contexts), contexts  # type: ignore[type-var]
+
+
+def test_openai_sdk_log_agent(local_pair: LocalPair) -> None:
+    outcome = log_agent.run_agent(
+        local_pair.gateway_url, local_pair.model, turns=4,
+        max_tokens=TOOL_MAX_TOKENS, answer_max_tokens=ANSWER_MAX_TOKENS,
+    )  # fmt: skip
+    rows = turn_report.replay(outcome.calls, local_pair.gateway_url)
+    check_reuse_and_answers(rows, calls=4)
+    # Each reading turn called the tool (named in tool_choice) with a valid section.
+    for call in outcome.calls[:3]:
+        assert call.answer is not None
+        ((name, arguments),) = call.answer.tool_calls
+        assert name == "read_log" and json.loads(arguments)["section"] in range(1, 13)
+    assert outcome.calls[3].answer is not None and not outcome.calls[3].answer.tool_calls
+
+
+def test_agents_sdk_code_agent(local_pair: LocalPair) -> None:
+    outcome = asyncio.run(
+        code_agent.run_agent(
+            local_pair.gateway_url, local_pair.model, root=ROOT,
+            max_tokens=TOOL_MAX_TOKENS, answer_max_tokens=ANSWER_MAX_TOKENS,
+        )
+    )  # fmt: skip
+    rows = turn_report.replay(outcome.calls, local_pair.gateway_url)
+    # Each question: the forced tool call, then the answer (tool_choice "none").
+    check_reuse_and_answers(rows, calls=2 * len(code_agent.QUESTIONS))
+    assert [r.kvturn.body.get("tool_choice") for r in rows] == [
+        x
+        for _, tool in code_agent.QUESTIONS
+        for x in ({"type": "function", "function": {"name": tool}}, "none")
+    ]
+    assert [name for name, _, _ in outcome.tools_ran] == [t for _, t in code_agent.QUESTIONS]
+    tree = code_agent.CodeTree(ROOT)
+    for name, arguments, result in outcome.tools_ran:
+        (value,) = json.loads(arguments).values()
+        # The tool's output is the tree's own (re-run here), and real: files that exist.
+        assert result == getattr(tree, name)(value)
+        if name == "list_files":
+            listed = [line.split("  (")[0].rstrip("/") for line in result.splitlines()]
+            assert listed and all((ROOT / path).exists() for path in listed), result
+        elif name == "read_file":
+            assert result.startswith(f"{value} (") and (ROOT / value).is_file()
+
+
+def test_langgraph_sql_agent(local_pair: LocalPair) -> None:
+    outcome = sql_agent.run_agent(
+        local_pair.gateway_url, local_pair.model,
+        max_tokens=TOOL_MAX_TOKENS, answer_max_tokens=ANSWER_MAX_TOKENS,
+    )  # fmt: skip
+    rows = turn_report.replay(outcome.calls, local_pair.gateway_url)
+    check_reuse_and_answers(rows, calls=2 * len(sql_agent.QUESTIONS))
+    forced = [r.kvturn.body.get("tool_choice") for r in rows[::2]]
+    assert forced == [
+        {"type": "function", "function": {"name": tool}} for _, tool in sql_agent.QUESTIONS
+    ]
+    assert all(r.kvturn.body.get("tool_choice") == "none" for r in rows[1::2])
+    # Each tool result came from SQLite: the SQL it ran (or SQLite's own error for a query the
+    # model's enum choices made invalid), on the database built from the shipped CSVs.
+    assert [name for name, _ in outcome.tools_ran] == [t for _, t in sql_agent.QUESTIONS]
+    db = sql_agent.build_database()
+    assert db.execute("SELECT count(*) FROM planets").fetchone() == (8,)
+    assert db.execute("SELECT name FROM moons ORDER BY diameter_km DESC").fetchone() == (
+        "Ganymede",
+    )
+    for name, result in outcome.tools_ran:
+        if name == "describe_table":
+            assert " rows\nSELECT * FROM " in result, result
+        else:
+            assert result.startswith("SELECT ") or "SQLite error" in result or "Error" in result
