@@ -23,7 +23,7 @@ model, neither of which drives a tool loop on its own:
   have to spell a path.
 
 Prints one row per model call: plan, reused tokens, TTFT through kvturn beside the same call
-recomputed (replayed with no conversation id and a fresh ``cache_salt``), and whether both
+recomputed (replayed as a new conversation with a fresh ``cache_salt``), and whether both
 answers are the same.
 """
 

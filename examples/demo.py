@@ -6,7 +6,7 @@
 
 Starts ``kvturn up --model smollm2`` (1 prefill + 1 decode vLLM engine on this machine's CPUs,
 real NIXL transfers, the gateway on port 8000), runs the agent against it, replays each of its
-model calls recomputed (no conversation id, a fresh ``cache_salt``), prints a per-call table
+model calls recomputed (a new conversation, a fresh ``cache_salt``), prints a per-call table
 (context tokens, plan, reused tokens, TTFT with reuse beside TTFT recomputed, same answer or
 not), writes the same as a PNG (``.kvturn/demo/ttft-<agent>.png``), and stops everything.
 While it runs, ``.venv/bin/kvturn top --url http://127.0.0.1:8000`` in another terminal shows

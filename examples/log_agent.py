@@ -10,7 +10,7 @@ Small models do not call tools reliably, so each reading turn names the tool in 
 answers in prose (``tool_choice="none"``, the tools still offered so the prompt prefix stays).
 
 Prints one row per model call: plan, reused tokens, TTFT through kvturn beside the same call
-recomputed (replayed with no conversation id and a fresh ``cache_salt``), and whether both
+recomputed (replayed as a new conversation with a fresh ``cache_salt``), and whether both
 answers are the same.
 """
 

