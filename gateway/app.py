@@ -212,6 +212,41 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         await _scrape_decode_leases(gateway)
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    async def status(request: Request) -> Response:
+        """What an operator's live view shows (``kvturn top``): the table, the engines, the
+        planner's settings and the costs it has learned. Aggregates only, no conversation's
+        data."""
+        runner = gateway.runner
+        engines = []
+        for role, pool in (("prefill", gateway.prefill), ("decode", gateway.decode)):
+            for instance in pool.instances:
+                entry: dict[str, Any] = {
+                    "role": role,
+                    "url": instance.url,
+                    "healthy": instance.healthy,
+                    "in_flight": instance.in_flight,
+                }
+                if role == "decode" and instance.control_url is not None:
+                    entry["leases"] = await runner.leases.stats(instance.control_url)
+                engines.append(entry)
+        config = gateway.config
+        body = {
+            "conversations": len(gateway.store),
+            "live_conversations": await gateway.store.live_count(),
+            "implicit_turns_remembered": len(runner.implicit),
+            "engines": engines,
+            "planner": {
+                "decode_local": config.decode_local,
+                "max_local_suffix_tokens": config.max_local_suffix_tokens,
+                "max_local_running": config.max_local_running,
+                "local_stall_weight": config.local_stall_weight,
+                "implicit_conversations": config.implicit_conversations,
+                "lease_s": config.lease_s,
+            },
+            "costs": runner.costs.snapshot(),
+        }
+        return JSONResponse(body)
+
     async def heartbeat(request: Request) -> Response:
         conversation_id = request.path_params["conversation_id"]
         try:
@@ -303,6 +338,7 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             Route("/tokenize", engine_route, methods=["POST"]),
             Route("/detokenize", engine_route, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/kvturn/status", status, methods=["GET"]),
             Route(conversations + "/{conversation_id}/heartbeat", heartbeat, methods=["POST"]),
             Route(conversations + "/{conversation_id}", release, methods=["DELETE"]),
         ],

@@ -131,7 +131,7 @@ def choose_reuse(inputs: ReuseInputs, limits: LocalLimits, costs: CostModel) -> 
         return TurnPlan("pull-reuse", "suffix-too-long")
     if inputs.holder_running >= limits.max_running:
         return TurnPlan("pull-reuse", "holder-busy")
-    local = costs.local_seconds(inputs.holder_url, suffix)
+    local = costs.local_seconds(inputs.holder_url, suffix, inputs.prefill_url)
     local += limits.stall_weight * inputs.holder_running * local
     pull = costs.pull_seconds(inputs.prefill_url, inputs.held_tokens, suffix)
     if local <= pull:
@@ -143,14 +143,19 @@ class LinearCost:
     """``seconds ≈ fixed + per_token * tokens``, fitted online by least squares with
     exponential forgetting (``decay`` per observation: the last ~20 turns count).
 
-    Before any observation it is the prior. While the observed sizes are too alike to tell a
-    slope from a fixed cost (the first turn, or every suffix the same length), the prior's fixed
-    part is kept and only the per-token part is fitted.
+    Before any observation it is the prior, and it is blended with the prior until the
+    observations outweigh it. While the observed sizes are too alike to tell a slope from a
+    fixed cost, only the fixed part is learned.
     """
 
-    def __init__(self, fixed_s: float, per_token_s: float, *, decay: float = 0.95):
+    def __init__(
+        self, fixed_s: float, per_token_s: float, *, decay: float = 0.95, prior_weight: float = 3.0
+    ):
         self.prior = (fixed_s, per_token_s)
         self.decay = decay
+        #: Observations the prior is worth: the fit is blended with it by ``n / (n + this)``,
+        #: so one noisy first turn cannot swing a decision.
+        self.prior_weight = prior_weight
         self.observations = 0
         self._n = self._x = self._y = self._xx = self._xy = 0.0
 
@@ -165,27 +170,40 @@ class LinearCost:
         self._xy = self._xy * d + tokens * seconds
         self.observations += 1
 
-    def coefficients(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token), both non-negative."""
+    def coefficients(self, prior: tuple[float, float] | None = None) -> tuple[float, float]:
+        """(fixed seconds, seconds per token), both non-negative; ``prior`` replaces the one
+        given at construction (e.g. a per-token cost another fit knows better)."""
+        prior = prior or self.prior
         if self.observations == 0:
-            return self.prior
+            return prior
+        fixed, per_token = self._fit(prior)
+        weight = self._n / (self._n + self.prior_weight * self.decay**self.observations)
+        return (
+            weight * fixed + (1 - weight) * prior[0],
+            weight * per_token + (1 - weight) * prior[1],
+        )
+
+    def _fit(self, prior: tuple[float, float]) -> tuple[float, float]:
         n, x, y = self._n, self._x, self._y
         spread = n * self._xx - x * x
-        # Sizes spread by less than ~10% of their mean: no slope can be told apart.
-        if self.observations >= 3 and spread > 0.01 * x * x:
+        # Sizes that vary by 30% or more (coefficient of variation) over five turns or more: a
+        # slope can be told from a fixed cost.
+        if self.observations >= 5 and spread > 0.09 * x * x:
             slope = max((n * self._xy - x * y) / spread, 0.0)
             fixed = (y - slope * x) / n
             if fixed >= 0:
                 return fixed, slope
             # No fixed cost to speak of: the line through the origin.
             return 0.0, max(self._xy / self._xx, 0.0)
-        fixed = self.prior[0]
-        if x <= 0:
-            return max(y / n, 0.0), self.prior[1]
-        return fixed, max((y - n * fixed) / x, 0.0)
+        # Too alike to tell: keep the prior's per-token cost (a property of the hardware and
+        # the model) and learn the fixed part, which dominates small requests.
+        fixed = (y - prior[1] * x) / n
+        if fixed >= 0:
+            return fixed, prior[1]
+        return 0.0, y / x
 
-    def predict(self, tokens: float) -> float:
-        fixed, per_token = self.coefficients()
+    def predict(self, tokens: float, prior: tuple[float, float] | None = None) -> float:
+        fixed, per_token = self.coefficients(prior)
         return fixed + per_token * tokens
 
 
@@ -219,8 +237,14 @@ class CostModel:
 
     # ---- estimates ----
 
-    def local_seconds(self, decode_url: str, suffix: int) -> float:
-        return self._local(decode_url).predict(suffix)
+    def local_seconds(self, decode_url: str, suffix: int, prefill_url: str | None = None) -> float:
+        """A local prefill of ``suffix`` on ``decode_url``. Until the holder's own turns tell
+        its per-token cost, it is taken to compute as fast as ``prefill_url`` does (the same
+        model; in P/D usually the same hardware)."""
+        prior = None
+        if prefill_url is not None and prefill_url in self.prefill:
+            prior = (PRIOR_LOCAL[0], self.prefill[prefill_url].coefficients()[1])
+        return self._local(decode_url).predict(suffix, prior)
 
     def pull_seconds(self, prefill_url: str, held: int, suffix: int) -> float:
         return (

@@ -65,6 +65,8 @@ class TurnResult:
     finish_reason: str | None
     #: The reply's token ids (vLLM's ``return_token_ids``), to compare with a reference.
     token_ids: list[int]
+    #: Why the gateway chose the plan (``X-Kvturn-Plan-Reason``).
+    reason: str | None = None
 
 
 def run_turn(
@@ -95,6 +97,7 @@ def run_turn(
             choice.message.content or "", plan, reused, completion.usage.prompt_tokens,
             completion.usage.completion_tokens, list(choice.message.tool_calls or []),
             choice.finish_reason, list(getattr(choice, "token_ids", None) or []),
+            raw.headers.get("x-kvturn-plan-reason"),
         )  # fmt: skip
     text, finish, usage, token_ids = "", None, None, []
     calls: dict[int, dict[str, Any]] = {}
@@ -115,7 +118,7 @@ def run_turn(
     tool_calls = [_tool_call(calls[i]) for i in sorted(calls)]
     return TurnResult(
         text, plan, reused, usage.prompt_tokens, usage.completion_tokens, tool_calls, finish,
-        token_ids,
+        token_ids, raw.headers.get("x-kvturn-plan-reason"),
     )  # fmt: skip
 
 

@@ -106,6 +106,7 @@ def _two_decode_config(pair: LocalPair, extra: EngineSpec) -> GatewayConfig:
             [f"http://127.0.0.1:{extra.control_port}", pair.decode_control_url],
         ),
         control_secret=pair.control_secret,
+        decode_local=False,  # these tests prove the pull path
         health_interval_s=3600,  # only the gateway's own failures tell it an engine died
         lease_s=LONG_LEASE_S,
     )
@@ -191,6 +192,7 @@ def test_prefill_killed_during_a_turn_is_served_by_another_prefill(
             prefill=endpoints([spec.url, local_pair.prefill_url]),  # the extra one first
             decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
             control_secret=local_pair.control_secret,
+            decode_local=False,  # these tests prove the pull path
             health_interval_s=3600,
             engine_api_key=ENGINE_KEY,
         )

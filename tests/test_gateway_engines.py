@@ -68,12 +68,22 @@ def _tool_result(turn: int) -> dict[str, str]:
 
 
 def _pair_config(pair: LocalPair, **overrides: object) -> GatewayConfig:
+    """A gateway on the session pair that reuses by pulling: this module proves the pull path
+    (NIXL reads, leases, fallbacks); ``test_planner_engines`` proves ``decode-local``."""
+    overrides.setdefault("decode_local", False)
     return GatewayConfig(
         prefill=endpoints([pair.prefill_url]),
         decode=endpoints([pair.decode_url], [pair.decode_control_url]),
         control_secret=pair.control_secret,
         **overrides,  # type: ignore[arg-type]
     )
+
+
+@pytest.fixture(scope="module")
+def pull_url(local_pair: LocalPair) -> Iterator[str]:
+    """The OpenAI base URL of a gateway on the session pair that reuses by pulling."""
+    with running_gateway(_pair_config(local_pair)) as gateway:
+        yield gateway.url + "/v1"
 
 
 def _assert_same_answer(
@@ -102,9 +112,11 @@ def _fallbacks(url: str, reason: str) -> float:
     return metric(url + "/metrics", f'kvturn_reuse_fallbacks_total{{reason="{reason}"}}')
 
 
-def test_streamed_conversation_reuses_previous_context(local_pair: LocalPair) -> None:
-    client = _client(local_pair.gateway_url)
-    gateway_metrics = local_pair.gateway_url.removesuffix("/v1") + "/metrics"
+def test_streamed_conversation_reuses_previous_context(
+    local_pair: LocalPair, pull_url: str
+) -> None:
+    client = _client(pull_url)
+    gateway_metrics = pull_url.removesuffix("/v1") + "/metrics"
 
     def counters() -> dict[str, float]:
         return {
@@ -153,8 +165,8 @@ def test_streamed_conversation_reuses_previous_context(local_pair: LocalPair) ->
         assert after[name] - before[name] == 3, name
 
 
-def test_non_streamed_turns_reuse_too(local_pair: LocalPair) -> None:
-    client = _client(local_pair.gateway_url)
+def test_non_streamed_turns_reuse_too(local_pair: LocalPair, pull_url: str) -> None:
+    client = _client(pull_url)
     reads = NixlReads(local_pair.prefill_url)
     conversation = f"test-{uuid.uuid4().hex[:8]}"
     messages = _opening("glaciers", 800)
@@ -218,8 +230,10 @@ def _two_turns(pair: LocalPair, client: openai.OpenAI, topic: str, conversation:
 
 
 @pytest.mark.parametrize("edit", ["drop-a-middle-message", "truncate-to-the-opening"])
-def test_edited_history_reuses_only_the_common_prefix(local_pair: LocalPair, edit: str) -> None:
-    client = _client(local_pair.gateway_url)
+def test_edited_history_reuses_only_the_common_prefix(
+    local_pair: LocalPair, pull_url: str, edit: str
+) -> None:
+    client = _client(pull_url)
     conversation = f"test-{uuid.uuid4().hex[:8]}"
     messages = _two_turns(local_pair, client, f"volcanoes {edit}", conversation)
     held = messages[:-1]  # what decode holds: everything up to the last reply
@@ -277,8 +291,8 @@ def test_heartbeats_keep_the_lease_past_its_length(local_pair: LocalPair) -> Non
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
-def test_tool_call_round_trip(local_pair: LocalPair, stream: bool) -> None:
-    client = _client(local_pair.gateway_url)
+def test_tool_call_round_trip(local_pair: LocalPair, pull_url: str, stream: bool) -> None:
+    client = _client(pull_url)
     conversation = f"tools-{uuid.uuid4().hex[:8]}"
     tools = [{
         "type": "function",
@@ -310,9 +324,9 @@ def test_tool_call_round_trip(local_pair: LocalPair, stream: bool) -> None:
 
 
 @pytest.mark.parametrize("key", ["conversation_id", "prompt_cache_key"])
-def test_conversation_keys_in_the_body(local_pair: LocalPair, key: str) -> None:
+def test_conversation_keys_in_the_body(local_pair: LocalPair, pull_url: str, key: str) -> None:
     """Clients that cannot set headers name the conversation in the body."""
-    client = _client(local_pair.gateway_url)
+    client = _client(pull_url)
     messages = _opening(f"orchards {key}", 700)
     body = {key: f"body-{key}-{uuid.uuid4().hex[:6]}"}
     first = run_turn(client, local_pair.model, messages, extra_body=body)
@@ -322,8 +336,8 @@ def test_conversation_keys_in_the_body(local_pair: LocalPair, key: str) -> None:
     _assert_same_answer(local_pair, second, messages)
 
 
-def test_completions_reuse_across_turns(local_pair: LocalPair) -> None:
-    client = _client(local_pair.gateway_url)
+def test_completions_reuse_across_turns(local_pair: LocalPair, pull_url: str) -> None:
+    client = _client(pull_url)
     conversation = {"X-Conversation-Id": f"complete-{uuid.uuid4().hex[:8]}"}
     prefill_requests = "vllm:request_success_total"
     requests_before = metric(f"{local_pair.prefill_url}/metrics", prefill_requests)
@@ -376,8 +390,8 @@ def test_bad_requests_get_openai_errors(
     assert error["message"]
 
 
-def test_invalid_conversation_id_and_engine_errors(local_pair: LocalPair) -> None:
-    client = _client(local_pair.gateway_url)
+def test_invalid_conversation_id_and_engine_errors(local_pair: LocalPair, pull_url: str) -> None:
+    client = _client(pull_url)
     with pytest.raises(openai.BadRequestError, match="conversation id"):
         run_turn(client, local_pair.model, _opening("x", 50), conversation_id="bad id!")
     # The engine's own 4xx comes back unchanged.

@@ -37,6 +37,7 @@ def _config(pair: LocalPair, **overrides: Any) -> GatewayConfig:
         prefill=endpoints([pair.prefill_url]),
         decode=endpoints([pair.decode_url], [pair.decode_control_url]),
         control_secret=pair.control_secret,
+        decode_local=False,  # these tests prove the pull path
         **overrides,
     )
 
@@ -271,6 +272,7 @@ def test_memory_pressure_reclaims_by_expected_return(
             prefill=endpoints([local_pair.prefill_url]),
             decode=endpoints([spec.url], [control]),
             control_secret=local_pair.control_secret,
+            decode_local=False,  # these tests prove the pull path
             lease_s=float(TEST_KV_TTL_S),
         )
         with running_gateway(config) as gateway:

@@ -58,7 +58,7 @@ def tool_result(reply: Any) -> list[Any]:
 
 #: The plans that reuse a conversation's KV: what the real gateway produces today (and so the
 #: stand-in; ``test_stub_gateway.py`` checks that they agree).
-REUSE_PLANS = ("pull-reuse",)
+REUSE_PLANS = ("pull-reuse", "decode-local")
 
 
 def assert_reuse_and_pause_kinds(turns: Any) -> None:

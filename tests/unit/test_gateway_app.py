@@ -215,3 +215,46 @@ def test_a_conversation_released_mid_turn_leaves_no_lease(gateway: str, fake_url
         time.sleep(0.02)
     again = _chat(gateway, **headers)
     assert again.headers["x-kvturn-plan"] == "recompute"
+
+
+def test_status_route_shows_the_table_engines_and_planner(gateway: str) -> None:
+    _chat(gateway, **{"X-Conversation-Id": "status-1"})
+    _chat(gateway, **{"X-Session-ID": "status-2"})
+    status = httpx.get(gateway + "/kvturn/status").json()
+    assert status["conversations"] == 2
+    roles = sorted(engine["role"] for engine in status["engines"])
+    assert roles == ["decode", "prefill"]
+    assert all(engine["healthy"] for engine in status["engines"])
+    assert status["planner"]["decode_local"] is True
+    assert status["planner"]["implicit_conversations"] is True
+    assert set(status["costs"]) == {"prefill", "local", "pull", "handoff"}
+    # The prefill round trips were learned from.
+    assert sum(fit["observations"] for fit in status["costs"]["prefill"].values()) == 2
+
+
+def test_requests_without_an_id_continue_an_implicit_conversation(gateway: str) -> None:
+    """A plain client that resends its history (the reply, then something new) is served as
+    the next turn of the conversation its history started; a new history starts another."""
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"model": "fake", "messages": messages}
+    first = httpx.post(gateway + "/v1/chat/completions", json=body)
+    assert first.headers["x-kvturn-plan"] == "recompute"
+    implicit_id = first.headers["x-conversation-id"]
+    assert implicit_id.startswith("implicit-")
+    reply = first.json()["choices"][0]["message"]
+    body["messages"] = [*messages, reply, {"role": "user", "content": "and then?"}]
+    deadline = time.monotonic() + 5
+    while True:  # the gateway records where turn 1's KV lives just after the reply
+        second = httpx.post(gateway + "/v1/chat/completions", json=body)
+        if second.headers["x-kvturn-plan"] != "recompute" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert second.headers["x-conversation-id"] == implicit_id
+    assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    other = httpx.post(
+        gateway + "/v1/chat/completions",
+        json={"model": "fake", "messages": [{"role": "user", "content": "something else"}]},
+    )
+    assert other.headers["x-conversation-id"] != implicit_id
+    metrics = httpx.get(gateway + "/metrics").text
+    assert 'kvturn_implicit_conversations_total{result="matched"} 1.0' in metrics

@@ -1,0 +1,284 @@
+"""The turn planner on real engines: decode-local turns, the choice between plans, and reuse
+for clients that send no conversation id.
+
+Each reusing turn is checked against what cannot be faked: its answer, as token ids, equals one
+engine alone with a fresh cache salt; NIXL's own transfer counters say whether KV moved (a
+``decode-local`` turn moves none, a pull moves the history); decode's prefix-cache count says
+how much of a local turn's prompt it served.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.server import GatewayThread
+from tests.conftest import LocalPair
+from tests.engine_requests import (
+    KV_BYTES_PER_TOKEN,
+    NixlReads,
+    chat,
+    long_prompt,
+    single_engine_ids,
+)
+from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway, wait_recorded
+
+pytestmark = pytest.mark.engines
+
+MAX_TOKENS = 16
+
+
+def _config(pair: LocalPair, **overrides: Any) -> GatewayConfig:
+    """The gateway's defaults (decode-local and implicit conversations on) on the pair."""
+    return GatewayConfig(
+        prefill=endpoints([pair.prefill_url]),
+        decode=endpoints([pair.decode_url], [pair.decode_control_url]),
+        control_secret=pair.control_secret,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def gateway(local_pair: LocalPair) -> Iterator[GatewayThread]:
+    with running_gateway(_config(local_pair)) as running:
+        yield running
+
+
+def _client(gateway: GatewayThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0, timeout=300)
+
+
+def _opening(topic: str, tokens: int = 1500) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "You are a careful agent that uses tools."},
+        {"role": "user", "content": long_prompt(tokens, f"{topic} {uuid.uuid4().hex[:6]}")},
+    ]
+
+
+def _next(messages: list[dict[str, Any]], reply: TurnResult, turn: int) -> list[dict[str, Any]]:
+    tool = {"role": "tool", "content": f"result {turn}: " + "the sensor reads 42. " * 12}
+    return [*messages, {"role": "assistant", "content": reply.text}, tool]
+
+
+def _assert_same_answer(pair: LocalPair, got: TurnResult, messages: list[dict[str, Any]]) -> None:
+    want = single_engine_ids(pair.prefill_url, pair.model, messages, MAX_TOKENS)
+    first = next(
+        (i for i, (a, b) in enumerate(zip(got.token_ids, want, strict=False)) if a != b), None
+    )
+    assert got.token_ids == want, f"the answer differs from one engine alone (at token {first})"
+
+
+class Transfers:
+    """NIXL reads on both engines since it was made. vLLM publishes transfer counts on a
+    logging tick: :meth:`settle` runs one plain P/D turn (exactly one read, by decode) and waits
+    for it to show, so every read before it has shown too."""
+
+    def __init__(self, pair: LocalPair, gateway: GatewayThread) -> None:
+        self.pair, self.gateway = pair, gateway
+        self.prefill = NixlReads(pair.prefill_url)
+        self.decode = NixlReads(pair.decode_url)
+
+    def settle(self) -> tuple[float, float]:
+        """(prefill reads, decode reads) since construction, not counting the canary's."""
+        canary = [{"role": "user", "content": long_prompt(300, f"canary {uuid.uuid4()}")}]
+        run_turn(_client(self.gateway), self.pair.model, canary)
+        self.decode.wait_for(1)
+        prefill_count, _ = self.prefill._read()
+        decode_count, _ = self.decode._read()
+        return prefill_count - self.prefill.count, decode_count - self.decode.count - 1
+
+
+def _decode_local_turns(pair: LocalPair, gateway: GatewayThread, stream: bool) -> list[TurnResult]:
+    client = _client(gateway)
+    conversation = f"local-{uuid.uuid4().hex[:8]}"
+    messages = _opening(f"river deltas {stream}")
+    transfers = Transfers(pair, gateway)
+    first = run_turn(client, pair.model, messages, conversation, stream=stream)
+    assert first.plan == "recompute"
+    wait_recorded(gateway, conversation)
+    results = []
+    for turn in range(3):
+        messages = _next(messages, results[-1] if results else first, turn)
+        got = run_turn(client, pair.model, messages, conversation, stream=stream)
+        assert got.plan == "decode-local", (turn, got.plan, got.reason)
+        _assert_same_answer(pair, got, messages)
+        wait_recorded(gateway, conversation)
+        results.append(got)
+    # Decode read the first turn's prompt from prefill; not a byte of KV moved after that.
+    assert transfers.settle() == (0, 1)
+    return results
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_decode_local_turns_move_no_kv_and_answer_as_one_engine(
+    local_pair: LocalPair, stream: bool
+) -> None:
+    leases_before = _lease_events(local_pair)
+    # A gateway of its own: its costs are learned from this conversation alone.
+    with running_gateway(_config(local_pair)) as gateway:
+        turns = _decode_local_turns(local_pair, gateway, stream)
+        text = httpx.get(gateway.url + "/metrics").text
+        moved = metric(gateway.url + "/metrics", 'kvturn_kv_bytes_moved_total{plan="decode-local"}')
+    for got in turns:
+        # The holder's prefix cache served (about) everything before the new suffix.
+        assert got.reused_tokens >= 0.85 * got.prompt_tokens, (got.reused_tokens, got.prompt_tokens)
+    # Each local turn's KV was retained as the conversation's new lease, superseding the last.
+    events = _lease_events(local_pair)
+    assert events["retained"] - leases_before["retained"] >= 3
+    assert events["ended_superseded"] - leases_before["ended_superseded"] >= 3
+    assert 'kvturn_turn_plans_total{plan="decode-local",reason="cheaper"} 3.0' in text
+    assert moved == 0
+    # The P/D turn's bytes were counted (the tiny model's KV per token, as decode publishes it).
+    assert 'kvturn_kv_bytes_moved_total{plan="recompute"} 0.0' not in text
+
+
+def _lease_events(pair: LocalPair) -> dict[str, float]:
+    stats = httpx.get(
+        pair.decode_control_url + "/kvturn/leases", headers=pair.control_headers, timeout=10
+    ).json()
+    return {
+        "retained": float(stats["retained"]),
+        "ended_superseded": float((stats.get("ended") or {}).get("superseded", 0)),
+    }
+
+
+def test_a_long_suffix_or_an_edited_history_goes_to_pd(local_pair: LocalPair) -> None:
+    with running_gateway(_config(local_pair, max_local_suffix_tokens=400)) as gateway:
+        client = _client(gateway)
+        conversation = f"plan-{uuid.uuid4().hex[:8]}"
+        messages = _opening("tundra", 1200)
+        first = run_turn(client, local_pair.model, messages, conversation)
+        wait_recorded(gateway, conversation)
+        reads = NixlReads(local_pair.prefill_url)
+        # A long document as the tool result: past the local bound, the history is pulled.
+        messages = [
+            *messages,
+            {"role": "assistant", "content": first.text},
+            {"role": "tool", "content": long_prompt(600, "a long tool result")},
+        ]
+        second = run_turn(client, local_pair.model, messages, conversation)
+        assert second.plan == "pull-reuse"
+        _assert_same_answer(local_pair, second, messages)
+        reads.wait_for(1, min_bytes=second.reused_tokens * KV_BYTES_PER_TOKEN)
+        wait_recorded(gateway, conversation)
+        # The agent trims the long tool result: the holder's cache covers only what precedes
+        # it, so the turn pulls that common prefix (verified on exact token ids) instead.
+        edited = [*messages[:3], {"role": "tool", "content": "(trimmed)"}]
+        edited.append({"role": "user", "content": "Sum up."})
+        third = run_turn(client, local_pair.model, edited, conversation)
+        _assert_same_answer(local_pair, third, edited)
+        assert (third.plan, third.reason) == ("pull-reuse", "history-edited")
+        assert 0 < third.reused_tokens < second.prompt_tokens
+        plans = [
+            line
+            for line in httpx.get(gateway.url + "/metrics").text.splitlines()
+            if line.startswith("kvturn_turn_plans_total")
+        ]
+        assert any('reason="suffix-too-long"' in line for line in plans), plans
+        assert any('reason="history-edited"' in line for line in plans), plans
+
+
+def test_official_client_without_an_id_gets_reuse(
+    local_pair: LocalPair, gateway: GatewayThread
+) -> None:
+    """No conversation id, no kvturn import: the gateway finds the conversation by its
+    messages. Streamed and not, tool calls included; and a branch (two requests extending
+    the same turn) answers correctly too."""
+    client = _client(gateway)
+    messages = _opening("implicit estuaries", 900)
+    got = run_turn(client, local_pair.model, messages, stream=False)
+    assert got.plan == "recompute"
+    plans = []
+    for turn in range(3):
+        messages = _next(messages, got, turn)
+        got = run_turn(client, local_pair.model, messages, stream=turn % 2 == 0)
+        _assert_same_answer(local_pair, got, messages)
+        plans.append(got.plan)
+        assert got.reused_tokens > 800, (turn, got)
+    assert all(plan in ("decode-local", "pull-reuse") for plan in plans), plans
+    # Two branches off the last turn: both correct, whichever reuses.
+    branches = [
+        [*messages, {"role": "assistant", "content": got.text}, {"role": "user", "content": x}]
+        for x in ("Left?", "Right?")
+    ]
+    for branch in branches:
+        _assert_same_answer(local_pair, run_turn(client, local_pair.model, branch), branch)
+    assert (
+        metric(gateway.url + "/metrics", 'kvturn_implicit_conversations_total{result="matched"}')
+        >= 4
+    )
+
+
+def test_langchain_stock_chat_openai_gets_reuse(
+    local_pair: LocalPair, gateway: GatewayThread
+) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=gateway.url + "/v1", api_key="-", model=local_pair.model, temperature=0,
+        max_tokens=MAX_TOKENS, max_retries=0,
+    )  # fmt: skip
+    opening = _opening("langchain lagoons", 900)
+    history: list[Any] = [SystemMessage(opening[0]["content"]), HumanMessage(opening[1]["content"])]
+    as_dicts = list(opening)
+    url = gateway.url + "/metrics"
+    reusing_before = sum(
+        metric(url, f'kvturn_turns_total{{plan="{plan}"}}')
+        for plan in ("decode-local", "pull-reuse")
+    )
+    for turn in range(3):
+        text = str(llm.invoke(history).content)
+        # LangChain gives text, not token ids: compare with one engine alone's text.
+        alone = chat(
+            local_pair.prefill_url,
+            {
+                "model": local_pair.model, "messages": as_dicts, "max_tokens": MAX_TOKENS,
+                "temperature": 0, "cache_salt": uuid.uuid4().hex,
+            },
+        )  # fmt: skip
+        assert text == alone["choices"][0]["message"]["content"], turn
+        history += [AIMessage(text), HumanMessage(f"And then? ({turn})")]
+        as_dicts += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"And then? ({turn})"},
+        ]
+    reusing = sum(
+        metric(url, f'kvturn_turns_total{{plan="{plan}"}}')
+        for plan in ("decode-local", "pull-reuse")
+    )
+    assert reusing - reusing_before == 2  # turns 2 and 3
+
+
+def test_x_session_id_names_the_conversation(local_pair: LocalPair, gateway: GatewayThread) -> None:
+    messages = _opening("session ids", 700)
+    body = {"model": local_pair.model, "messages": messages, "max_tokens": 8, "temperature": 0}
+    session = f"sess-{uuid.uuid4().hex[:8]}"
+    first = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json=body,
+        headers={"X-Session-ID": session},
+        timeout=120,
+    )
+    assert first.headers["x-conversation-id"] == session
+    wait_recorded(gateway, session)
+    reply = first.json()["choices"][0]["message"]["content"]
+    body["messages"] = [
+        *messages,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "More."},
+    ]
+    second = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json=body,
+        headers={"X-Session-ID": session},
+        timeout=120,
+    )
+    assert second.headers["x-kvturn-plan"] in ("decode-local", "pull-reuse")
+    assert second.headers["x-kvturn-plan-reason"]
