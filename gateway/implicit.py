@@ -59,6 +59,12 @@ def _arguments(arguments: Any) -> Any:
 def canonical_message(message: dict[str, Any]) -> bytes:
     """The bytes a message is digested as: role, text, name and tool calls (name, arguments)."""
     calls = message.get("tool_calls") or ()
+    content = message.get("content")
+    role = message.get("role")
+    if not calls and type(role) is str and (content is None or type(content) is str):
+        # Most messages: plain text (no JSON encoding needed; 0x00 cannot occur in either).
+        name = message.get("name")
+        return b"\x00".join((role.encode(), (content or "").encode(), str(name).encode()))
     canonical: list[Any] = [message.get("role"), _text(message.get("content")), message.get("name")]
     if calls:
         canonical.append(
