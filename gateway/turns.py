@@ -217,6 +217,7 @@ class TurnRunner:
         scratch if decode fails before replying."""
         self._wake_decode(conversation)
         reuse = await self._plan(turn, conversation)
+        failed: Instance | None = None
         if reuse.plan.local:
             assert reuse.holder is not None
             local = PrefillResult(None, {}, reuse.prompt_tokens, reuse.reused_tokens, reuse.plan)
@@ -225,31 +226,38 @@ class TurnRunner:
                     turn, conversation, local, target=reuse.holder, supersedes=reuse.previous_key
                 )
             except DecodeFailed as failure:
-                self._decode_failed(failure)
+                failed = self._decode_failed(failure)
                 if reuse.previous_key is not None:
                     self._release_later(reuse.holder, reuse.previous_key)
-                reuse = Reuse(TurnPlan("recompute", "decode-failed"))
-                self.metrics.fallbacks_by[reuse.plan.reason].inc()
-        prefilled = await self._prefill(turn, reuse)
-        if isinstance(prefilled, Reply):
-            return prefilled
-        try:
-            return await self._decode(turn, conversation, prefilled)
-        except DecodeFailed as failure:
-            # Decode died, or failed its pull from prefill, before replying: serve the turn
-            # again from scratch (on another decode if this one is gone).
-            self._decode_failed(failure)
-            retry = await self._prefill(turn, Reuse(TurnPlan("recompute", "decode-failed")))
-            if isinstance(retry, Reply):
-                return retry
-            return await self._decode(turn, conversation, retry)
+                reuse = self._decode_failed_reuse()
+        for attempt in range(2):
+            prefilled = await self._prefill(turn, reuse)
+            if isinstance(prefilled, Reply):
+                return prefilled
+            try:
+                return await self._decode(turn, conversation, prefilled, avoid=failed)
+            except DecodeFailed as failure:
+                # Decode died, or failed its pull from prefill, before replying: serve the turn
+                # again from scratch, on another decode if there is one.
+                failed = self._decode_failed(failure)
+                if attempt == 1:
+                    raise UpstreamError(f"decode failed twice ({failure})") from failure
+                reuse = self._decode_failed_reuse()
+        raise AssertionError("unreachable")
 
-    def _decode_failed(self, failure: DecodeFailed) -> None:
+    def _decode_failed(self, failure: DecodeFailed) -> Instance | None:
+        """Note a decode that failed before replying; the instance, to avoid on a retry."""
         logger.warning("decode failed before replying (%s); recomputing", failure)
         self.metrics.upstream_errors_by["decode"].inc()
         failed = self.decode.get(failure.url)
         if failed is not None and failure.unreachable:
             failed.healthy = False
+        return failed
+
+    def _decode_failed_reuse(self) -> Reuse:
+        plan = TurnPlan("recompute", "decode-failed")
+        self.metrics.fallbacks_by[plan.reason].inc()
+        return Reuse(plan)
 
     def _wake_decode(self, conversation: Conversation | None) -> None:
         """An idle decode paces its empty steps (up to a quarter second apart while it holds
@@ -446,12 +454,19 @@ class TurnRunner:
         *,
         target: Instance | None = None,
         supersedes: str | None = None,
+        avoid: Instance | None = None,
     ) -> Reply:
-        """Decode's reply: after prefill, or (``target``, a ``decode-local`` turn) on the
-        holder alone, whose new lease then ``supersedes`` the previous one."""
-        instance = target or self.decode.choose(
-            prefer=conversation.holder_url if conversation else None
-        )
+        """Decode's reply: after prefill (on a decode other than ``avoid``, if there is one),
+        or (``target``, a ``decode-local`` turn) on the holder alone, whose new lease then
+        ``supersedes`` the previous one."""
+        prefer = conversation.holder_url if conversation else None
+        if target is not None:
+            instance = target
+        else:
+            try:
+                instance = self.decode.choose(prefer=prefer, exclude=avoid)
+            except NoHealthyEngine:
+                instance = self.decode.choose(prefer=prefer)
         # 128 random bits: the reply's id is made of it (no turn counter shows through), and
         # decode publishes the KV it retains under it.
         request_id = f"kvturn-{os.urandom(16).hex()}"

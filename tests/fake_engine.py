@@ -8,6 +8,11 @@ not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn co
 ``/fake/counts`` says how many prefill and decode requests it served (to check a router's
 P/D routing), and how many slow streams (``fake_slow_stream``: one chunk per 20 ms) their
 reader abandoned; any other GET is a 404.
+
+``/tokenize`` answers only for chats whose first message starts with ``local:`` (so the
+gateway's planner can choose ``decode-local``; every other chat plans a pull, as before): the
+prompt is :data:`_PROMPT_TOKENS` tokens whose first ones are what a decode publishes it holds.
+A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+
+from kvturn.kv_params import PREFIX_DIGESTS_KEY, prefix_digests
 
 Scope = dict[str, Any]
 
@@ -26,6 +33,10 @@ REQUIRED_KEY: str | None = None
 #: The ``cache_salt`` of the last prefill and the last decode request (tenant isolation tests).
 LAST_CACHE_SALT: dict[str, str | None] = {"prefill": None, "decode": None}
 _PROMPT_TOKENS = 1000
+#: Ports whose decode requests fail with a 500 (a decode that broke).
+FAIL_DECODE_PORTS: set[int] = set()
+#: What every fake decode says it holds: the prompt's tokens and one more.
+_HELD_DIGESTS = prefix_digests([*range(_PROMPT_TOKENS), 0])
 _METRICS = "".join(
     f'# TYPE vllm:{name} gauge\nvllm:{name}{{engine="0",model_name="fake"}} 0.0\n'
     for name in ("num_requests_running", "num_requests_waiting")
@@ -102,6 +113,16 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if scope["method"] != "POST":
         await _send_json(send, 404, {"error": "not found"})
         return
+    if path == "/tokenize":
+        request = json.loads(await _read(receive))
+        first = (request.get("messages") or [{}])[0].get("content") or ""
+        if not str(first).startswith("local:"):
+            await _send_json(send, 404, {"error": "not found"})
+            return
+        COUNTS["tokenize"] = COUNTS.get("tokenize", 0) + 1
+        tokens = list(range(_PROMPT_TOKENS))
+        await _send_json(send, 200, {"count": len(tokens), "tokens": tokens})
+        return
     authorization = dict(scope["headers"]).get(b"authorization")
     if REQUIRED_KEY is not None and authorization != f"Bearer {REQUIRED_KEY}".encode():
         await _send_json(send, 401, {"error": {"message": "Unauthorized", "type": "x",
@@ -130,13 +151,19 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         }  # fmt: skip
         await _send_json(send, 200, answer)
         return
+    if scope["server"][1] in FAIL_DECODE_PORTS:
+        await _send_json(send, 500, {"error": {"message": "decode broke", "type": "x"}})
+        return
     COUNTS["decode"] += 1
+    if not params.get("do_remote_prefill"):
+        COUNTS["decode_local"] = COUNTS.get("decode_local", 0) + 1
     LAST_CACHE_SALT["decode"] = body.get("cache_salt")
     request_id = dict(scope["headers"]).get(b"x-request-id", b"none").decode()
     _RETAINED[request_id] = {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
         "remote_request_id": request_id, "remote_host": "localhost", "remote_port": 2,
         "remote_num_tokens": _PROMPT_TOKENS + 1, "expires_in_s": 300.0,
+        PREFIX_DIGESTS_KEY: _HELD_DIGESTS,
     }  # fmt: skip
     if len(_RETAINED) > 10_000:
         _RETAINED.pop(next(iter(_RETAINED)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -258,3 +259,81 @@ def test_requests_without_an_id_continue_an_implicit_conversation(gateway: str) 
     assert other.headers["x-conversation-id"] != implicit_id
     metrics = httpx.get(gateway + "/metrics").text
     assert 'kvturn_implicit_conversations_total{result="matched"} 1.0' in metrics
+
+
+LOCAL_MESSAGES = [{"role": "user", "content": "local: continue where you are"}]
+
+
+def _turn(url: str, conversation: str, stream: bool = False) -> httpx.Response:
+    body = {"model": "fake", "messages": LOCAL_MESSAGES, "stream": stream}
+    response = httpx.post(
+        url + "/v1/chat/completions", json=body, headers={"X-Conversation-Id": conversation}
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _recorded(gateway: Any, conversation: str) -> None:
+    deadline = time.monotonic() + 5
+    store = gateway.app.state.gateway.store
+    while store.peek(conversation) is None or store.peek(conversation).holder_url is None:
+        assert time.monotonic() < deadline, "the turn's KV location was never recorded"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_short_turn_continues_on_the_holder_without_prefill(fake_url: str, stream: bool) -> None:
+    from tests import fake_engine
+
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        conversation = f"local-{stream}"
+        assert _turn(gateway.url, conversation).headers["x-kvturn-plan"] == "recompute"
+        _recorded(gateway, conversation)
+        counts = dict(fake_engine.COUNTS)
+        second = _turn(gateway.url, conversation, stream=stream)
+        assert second.headers["x-kvturn-plan"] == "decode-local"
+        assert second.headers["x-kvturn-plan-reason"] == "cheaper"
+        assert fake_engine.COUNTS["prefill"] == counts["prefill"]  # no prefill ran
+        assert fake_engine.COUNTS["decode_local"] == counts.get("decode_local", 0) + 1
+        assert fake_engine.COUNTS["tokenize"] == counts.get("tokenize", 0) + 1
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'kvturn_kv_bytes_moved_total{plan="decode-local"} 0.0' in metrics
+
+
+def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
+    from tests import fake_engine
+
+    with running_fake_engine() as prefill, running_fake_engine() as holder:  # noqa: SIM117
+        with running_fake_engine() as other:
+            config = GatewayConfig(
+                prefill=endpoints([prefill]),
+                decode=endpoints([holder, other], [holder, other]),
+            )
+            with running_gateway(config) as gateway:
+                _turn(gateway.url, "failing-holder")
+                _recorded(gateway, "failing-holder")
+                store = gateway.app.state.gateway.store
+                assert store.peek("failing-holder").holder_url == holder
+                releases = fake_engine.COUNTS.get("releases", 0)
+                fake_engine.FAIL_DECODE_PORTS.add(int(holder.rsplit(":", 1)[1]))
+                try:
+                    second = _turn(gateway.url, "failing-holder")
+                    # The holder broke after planning: the turn is served again, plainly,
+                    # on the other decode, and the lease it would have superseded is freed.
+                    assert second.headers["x-kvturn-plan"] == "recompute"
+                    assert second.headers["x-kvturn-plan-reason"] == "decode-failed"
+                    deadline = time.monotonic() + 5
+                    while fake_engine.COUNTS.get("releases", 0) == releases:
+                        assert time.monotonic() < deadline, "the old lease was not released"
+                        time.sleep(0.02)
+                    _recorded(gateway, "failing-holder")
+                    assert store.peek("failing-holder").holder_url == other
+                    # Every decode failing: an OpenAI-shaped 502, never an internal error.
+                    fake_engine.FAIL_DECODE_PORTS.add(int(other.rsplit(":", 1)[1]))
+                    body = {"model": "fake", "messages": [{"role": "user", "content": "x"}]}
+                    failed = httpx.post(gateway.url + "/v1/chat/completions", json=body)
+                    assert failed.status_code == 502, failed.text
+                    assert failed.json()["error"]["message"].startswith("decode failed twice")
+                finally:
+                    fake_engine.FAIL_DECODE_PORTS.clear()
