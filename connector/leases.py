@@ -184,6 +184,9 @@ class LeaseTable:
         self._tombstones: OrderedDict[str, EndReason] = OrderedDict()
         self._max_tombstones = max_tombstones
         self._lock = threading.Condition()
+        #: Facts about the engine the gateway needs (block size, KV bytes per token), served
+        #: with the stats.
+        self.engine: dict[str, Any] = {}
 
     # ---- the engine's side ------------------------------------------------------------------
 
@@ -411,6 +414,7 @@ class LeaseTable:
                 "renewed": self.counters.renewed,
                 "claimed": self.counters.claimed,
                 "ended": dict(self.counters.ended),
+                **self.engine,
             }
 
     def __len__(self) -> int:

@@ -119,6 +119,10 @@ class KvturnConnector(NixlConnector):
             max_lease_s=self._ttl_s,
             claim_s=float(extra.get("kvturn_claim_s", 30)),
         )
+        self.leases.engine = {
+            BLOCK_SIZE_KEY: self._block_size,
+            KV_BYTES_PER_TOKEN_KEY: self._kv_bytes_per_token,
+        }
         self._usage = BlockUsage(kv_cache_config.num_blocks)
         self._watermark_blocks = int(
             float(extra.get("kvturn_free_blocks_watermark", 0.05)) * kv_cache_config.num_blocks

@@ -35,6 +35,7 @@ from kvturn.gateway.replies import Reply, error_reply, send_reply
 from kvturn.gateway.turns import Turn, TurnRunner
 from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.validation import check_request
+from kvturn.kv_params import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -57,6 +58,7 @@ class Gateway:
         self.models: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._learner: asyncio.Task[None] | None = None
 
     async def refresh_models(self) -> None:
         for instance in self.prefill.healthy():
@@ -83,6 +85,24 @@ class Gateway:
             )
         )
         self._sweeper = asyncio.create_task(self._sweep_forever())
+        self._learner = asyncio.create_task(self._learn_decodes())
+
+    async def _learn_decodes(self) -> None:
+        """Each decode's block size and KV bytes per token, from its connector (for the
+        planner's estimates and the KV-bytes-moved metric), retried until every one answered."""
+        while True:
+            unknown = [
+                i for i in self.decode.instances if i.control_url and not i.kv_bytes_per_token
+            ]
+            if not unknown:
+                return
+            for instance in unknown:
+                assert instance.control_url is not None
+                stats = await self.runner.leases.stats(instance.control_url)
+                if stats:
+                    instance.block_size = int(stats.get(BLOCK_SIZE_KEY) or 0)
+                    instance.kv_bytes_per_token = int(stats.get(KV_BYTES_PER_TOKEN_KEY) or 0)
+            await asyncio.sleep(2.0)
 
     async def _sweep_forever(self) -> None:
         """Forget conversations that can no longer come back for their KV, a bounded batch a
@@ -96,8 +116,8 @@ class Gateway:
                 self.metrics.conversations_forgotten.inc(forgotten)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._health, self._sweeper) if t is not None]
-        self._health = self._sweeper = None
+        tasks = [t for t in (self._health, self._sweeper, self._learner) if t is not None]
+        self._health = self._sweeper = self._learner = None
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
