@@ -25,6 +25,7 @@ from tests.engine_requests import (
     NixlReads,
     chat,
     long_prompt,
+    single_engine_completion_ids,
     single_engine_ids,
 )
 from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway, wait_recorded
@@ -282,3 +283,31 @@ def test_x_session_id_names_the_conversation(local_pair: LocalPair, gateway: Gat
     )
     assert second.headers["x-kvturn-plan"] in ("decode-local", "pull-reuse")
     assert second.headers["x-kvturn-plan-reason"]
+
+
+def test_completions_continue_on_the_holder(local_pair: LocalPair) -> None:
+    with running_gateway(_config(local_pair)) as gateway:
+        _completion_turns(local_pair, gateway)
+
+
+def _completion_turns(local_pair: LocalPair, gateway: GatewayThread) -> None:
+    client = _client(gateway)
+    conversation = {"X-Conversation-Id": f"complete-local-{uuid.uuid4().hex[:8]}"}
+    prompt = long_prompt(900, f"kites {uuid.uuid4().hex[:6]}")
+    plans = []
+    for turn in range(3):
+        raw = client.completions.with_raw_response.create(
+            model=local_pair.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_headers=conversation, extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        completion = raw.parse()
+        plans.append(raw.headers["x-kvturn-plan"])
+        got = list(getattr(completion.choices[0], "token_ids", None) or [])
+        assert got == single_engine_completion_ids(
+            local_pair.prefill_url, local_pair.model, prompt, MAX_TOKENS
+        ), f"turn {turn}: the answer differs from one engine alone"
+        if turn:
+            assert int(raw.headers["x-kvturn-reused-tokens"]) > 800
+        wait_recorded(gateway, conversation["X-Conversation-Id"])
+        prompt = prompt + completion.choices[0].text + f" Now the wind, part {turn}."
+    assert plans == ["recompute", "decode-local", "decode-local"]
