@@ -8,9 +8,9 @@ when the gateway has one; draws, with ``rich``:
   reason, reused vs recomputed prompt tokens;
 - TTFT p50/p90 by plan, since the gateway started and over the last interval (estimated from
   the ``kvturn_ttft_seconds`` histogram's buckets, as Prometheus' ``histogram_quantile`` does);
-- live conversations, and per decode engine its leases, leased KV blocks and health; per
-  prefill engine its health; engine request errors by role;
-- whatever the status route returns, as tables.
+- live conversations; per engine its health and, with the status route, the requests it is
+  serving; per decode its leases and leased KV blocks; engine request errors by role;
+- the status route's planner settings and learned costs, and whatever else it returns.
 
 ``kvturn top --once`` prints one frame and exits (for scripts; ``--interval`` then is the time
 between the two scrapes the rates come from).
@@ -133,6 +133,17 @@ class Snapshot:
         elif name == "kvturn_releases_total":
             self.releases = value
 
+    def in_flight(self) -> dict[str, float]:
+        """Requests each engine is serving now (the status route's ``engines``), by URL."""
+        engines = self.status.get("engines") if isinstance(self.status, Mapping) else None
+        if not isinstance(engines, list):
+            return {}
+        return {
+            str(e["url"]): float(e["in_flight"])
+            for e in engines
+            if isinstance(e, Mapping) and "url" in e and isinstance(e.get("in_flight"), int | float)
+        }
+
     def plans(self) -> list[str]:
         """Every plan seen, the known ones first (a gateway may add plans)."""
         seen = set(self.turns) | set(self.ttft)
@@ -253,8 +264,9 @@ def view(snap: Snapshot, previous: Snapshot | None, source: str = "") -> Any:
         fallbacks.add_row("(none)", "0")
 
     engines = Table(title="engines", expand=True)
-    for column in ("role", "engine", "health", "leases", "leased blocks"):
-        engines.add_column(column, justify="right" if column.startswith("lease") else "left")
+    for column in ("role", "engine", "health", "in flight", "leases", "leased blocks"):
+        engines.add_column(column, justify="left" if column in ("role", "engine") else "right")
+    in_flight = snap.in_flight()
     decodes = list(dict.fromkeys([*snap.health.get("decode", {}), *snap.decode_leases]))
     for role, urls in (("prefill", list(snap.health.get("prefill", {}))), ("decode", decodes)):
         for url in urls:
@@ -262,7 +274,8 @@ def view(snap: Snapshot, previous: Snapshot | None, source: str = "") -> Any:
             mark = {True: "[green]up[/]", False: "[red]DOWN[/]", None: "?"}[healthy]
             leases = _num(snap.decode_leases.get(url)) if role == "decode" else ""
             blocks = _num(snap.decode_lease_blocks.get(url)) if role == "decode" else ""
-            engines.add_row(role, _short(url), mark, leases, blocks)
+            busy = _num(in_flight.get(url)) if in_flight else "-"
+            engines.add_row(role, _short(url), mark, busy, leases, blocks)
     errors = ", ".join(f"{role} {n:,.0f}" for role, n in sorted(snap.upstream_errors.items()))
     if errors:
         engines.caption = f"engine request errors: {errors}"
@@ -283,9 +296,13 @@ def _side_by_side(*tables: Any) -> Any:
     return Columns(tables, expand=True, equal=True)
 
 
+#: Status fields drawn elsewhere (the engines table) or by their own table here.
+_STATUS_SHOWN = {"engines", "costs"}
+
+
 def _status_view(status: Any) -> Any:
-    """A JSON document of unknown shape as tables: lists of objects as rows, the rest as
-    key/value lines (the status route's fields are the gateway's to choose)."""
+    """The status route's JSON: the planner's learned costs as a table, other objects as
+    tables or key/value lines (fields this view does not know are drawn too, generically)."""
     from rich.console import Group
     from rich.table import Table
 
@@ -295,7 +312,12 @@ def _status_view(status: Any) -> Any:
     scalars.add_column(style="bold")
     scalars.add_column()
     parts: list[Any] = [scalars]
+    costs = status.get("costs")
+    if isinstance(costs, Mapping):
+        parts.append(_costs_table(costs))
     for key, value in status.items():
+        if key in _STATUS_SHOWN:
+            continue
         rows = value if isinstance(value, list) else None
         if (
             isinstance(value, Mapping)
@@ -316,6 +338,36 @@ def _status_view(status: Any) -> Any:
         else:
             scalars.add_row(str(key), _cell(value))
     return Group(*parts)
+
+
+def _costs_table(costs: Mapping[str, Any]) -> Any:
+    """``{"pull": fit, "prefill": {url: fit}, ...}`` (a fit: ``fixed_ms``,
+    ``per_1k_tokens_ms``, ``observations``) as one row per path and engine."""
+    from rich.table import Table
+
+    table = Table(title="planner's learned costs", expand=True)
+    for column in ("path", "engine", "fixed", "per 1k tokens", "observations"):
+        table.add_column(column, justify="left" if column in ("path", "engine") else "right")
+
+    def add(path: str, engine: str, fit: Mapping[str, Any]) -> None:
+        fixed, per_1k = fit.get("fixed_ms"), fit.get("per_1k_tokens_ms")
+        table.add_row(
+            path,
+            engine,
+            "-" if fixed is None else f"{fixed:,.1f} ms",
+            "-" if per_1k is None else f"{per_1k:,.1f} ms",
+            _cell(fit.get("observations")),
+        )
+
+    for path, value in costs.items():
+        if not isinstance(value, Mapping):
+            table.add_row(path, "", _cell(value), "", "")
+        elif "fixed_ms" in value or "per_1k_tokens_ms" in value:
+            add(path, "", value)
+        else:
+            for engine, fit in value.items():
+                add(path, _short(str(engine)), fit if isinstance(fit, Mapping) else {})
+    return table
 
 
 def _cell(value: Any) -> str:

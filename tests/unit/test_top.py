@@ -62,12 +62,14 @@ def _screen(renderable: Any) -> str:
     return console.export_text()
 
 
-def _row(screen: str, first: str) -> list[str]:
-    """The cells of the table row whose first cell is ``first``."""
+def _row(screen: str, first: str, skip: int = 0) -> list[str]:
+    """The cells of the table row whose first cell is ``first`` (past ``skip`` such rows)."""
     for line in screen.splitlines():
         cells = [c.strip() for c in re.split(r"[│┃|]", line) if c.strip()]
         if cells and cells[0] == first:
-            return cells
+            if skip == 0:
+                return cells
+            skip -= 1
     raise AssertionError(f"no row {first!r} in:\n{screen}")
 
 
@@ -103,6 +105,11 @@ def test_top_draws_the_gateways_live_figures(gateway: str, fake_url: str) -> Non
     host = fake_url.removeprefix("http://")
     assert re.search(rf"prefill\s*│\s*{re.escape(host)}\s*│\s*up", screen), screen
     assert re.search(rf"decode\s*│\s*{re.escape(host)}\s*│\s*up", screen), screen
+    # The gateway's status route answered: requests in flight per engine (none now), and the
+    # planner's learned costs.
+    assert after.status is not None and after.in_flight() == {fake_url: 0.0}
+    assert _row(screen, "prefill")[3] == "0" and _row(screen, "decode")[3] == "0"
+    assert "planner's learned costs" in screen and _row(screen, "pull")[0] == "pull"
 
 
 def test_ttft_quantiles_from_buckets() -> None:
@@ -124,20 +131,27 @@ def test_unknown_plans_and_the_status_route_are_drawn() -> None:
     )
     snap = top.Snapshot.parse(text, at=10.0)
     assert snap.plans() == ["recompute", "decode-local", "future-plan"]
+    snap.health = {"prefill": {"http://p0": True}, "decode": {"http://d0": False}}
+    fit = {"fixed_ms": 12.25, "per_1k_tokens_ms": 310.0, "observations": 7}
     snap.status = {
-        "version": "0.1.0",
-        "conversations": [
-            {"id": "chat-1", "holder": "http://d0", "lease_remaining_s": 41.5, "tokens": 2048},
-            {"id": "chat-2", "holder": "http://d0", "lease_remaining_s": 3.25, "tokens": 512},
+        "live_conversations": 2,
+        "engines": [
+            {"role": "prefill", "url": "http://p0", "healthy": True, "in_flight": 3},
+            {"role": "decode", "url": "http://d0", "healthy": False, "in_flight": 1},
         ],
-        "decode": {"http://d0": {"leases": 2, "blocks": 20}},
+        "planner": {"decode_local": True, "lease_s": 60.0},
+        "costs": {"prefill": {"http://p0": fit}, "pull": {**fit, "observations": 0}},
+        "sessions": [{"id": "chat-1", "holder": "http://d0", "lease_remaining_s": 41.5}],
     }
     screen = _screen(top.view(snap, None, "http://gw"))
     assert _row(screen, "future-plan")[1] == "2"
     assert _row(screen, "decode-local")[2] == "50%"
-    assert _row(screen, "chat-1")[1:] == ["http://d0", "41.5", "2048"]
-    assert _row(screen, "http://d0")[1:] == ["2", "20"]
-    assert "version" in screen and "0.1.0" in screen
+    assert _row(screen, "prefill")[1:4] == ["p0", "up", "3"]
+    assert _row(screen, "decode")[1:4] == ["d0", "DOWN", "1"]
+    assert _row(screen, "prefill", skip=1)[1:] == ["p0", "12.2 ms", "310.0 ms", "7"]
+    assert _row(screen, "pull")[1:] == ["12.2 ms", "310.0 ms", "0"]
+    assert _row(screen, "chat-1")[1:] == ["http://d0", "41.5"]  # a field top does not know
+    assert re.search(r"planner\s+decode_local=True, lease_s=60", screen), screen
 
 
 def test_kvturn_top_once_on_the_command_line(gateway: str) -> None:
