@@ -38,6 +38,7 @@ def _config(pair: LocalPair, **overrides: Any) -> GatewayConfig:
         decode=endpoints([pair.decode_url], [pair.decode_control_url]),
         control_secret=pair.control_secret,
         decode_local=False,  # these tests prove the pull path
+        implicit_conversations=False,  # and that turns without an id pin nothing
         **overrides,
     )
 
@@ -214,7 +215,8 @@ def test_a_pull_racing_the_expiry_still_answers_right(local_pair: LocalPair) -> 
 
 
 def test_turns_without_a_conversation_pin_nothing(local_pair: LocalPair) -> None:
-    """Plain P/D traffic (no id): decode keeps none of it once the reply ends."""
+    """Plain P/D traffic (no id, implicit conversations off): decode keeps none of it once the
+    reply ends."""
     with running_gateway(_config(local_pair)) as gateway:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
         before = _decode_stats(local_pair)
@@ -273,6 +275,7 @@ def test_memory_pressure_reclaims_by_expected_return(
             decode=endpoints([spec.url], [control]),
             control_secret=local_pair.control_secret,
             decode_local=False,  # these tests prove the pull path
+            implicit_conversations=False,  # and that turns without an id pin nothing
             lease_s=float(TEST_KV_TTL_S),
         )
         with running_gateway(config) as gateway:
