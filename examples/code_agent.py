@@ -59,8 +59,9 @@ from kvturn.client.adapters.openai_agents import KvturnRunHooks, conversation_fo
 
 REPO = Path(__file__).resolve().parents[1]
 INSTRUCTIONS = (
-    "You answer questions about a code repository. Use the tools to look at the code, then "
-    "answer in one or two sentences, naming the files you looked at."
+    "You answer questions about a code repository. Use the tools to look at the code. Once a "
+    "tool has answered, reply in one or two plain English sentences (no tool call, no JSON), "
+    "naming the files you looked at."
 )
 #: (question, the tool it names in tool_choice).
 QUESTIONS: tuple[tuple[str, str], ...] = (
