@@ -22,7 +22,7 @@ import argparse
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -383,19 +383,12 @@ def _cell(value: Any) -> str:
 # -- the command ---------------------------------------------------------------------------
 
 
-def frames(source: Source, interval_s: float) -> Iterator[tuple[Snapshot, Snapshot | None]]:
-    """(snapshot, the one before) every ``interval_s`` seconds, forever."""
-    previous: Snapshot | None = None
-    while True:
-        snap = source.scrape()
-        yield snap, previous
-        previous = snap
-        time.sleep(interval_s)
-
-
 def run(url: str, interval_s: float, once: bool, api_key: str | None, console: Any = None) -> int:
+    """Draw the gateway at ``url`` every ``interval_s`` seconds until interrupted (a gateway
+    that does not answer is waited for), or one frame with ``once``."""
     from rich.console import Console
     from rich.live import Live
+    from rich.text import Text
 
     console = console or Console()
     source = Source(url, api_key)
@@ -405,12 +398,18 @@ def run(url: str, interval_s: float, once: bool, api_key: str | None, console: A
             time.sleep(interval_s)
             console.print(view(source.scrape(), first, source.url))
             return 0
-        stream = frames(source, interval_s)
-        snap, previous = next(stream)
-        with Live(view(snap, previous, source.url), console=console, screen=False,
-                  auto_refresh=False) as live:  # fmt: skip
-            for snap, previous in stream:
-                live.update(view(snap, previous, source.url), refresh=True)
+        previous: Snapshot | None = None
+        waiting = Text(f"kvturn top: waiting for {source.url}")
+        with Live(waiting, console=console, auto_refresh=False) as live:
+            while True:
+                try:
+                    snap = source.scrape()
+                except httpx.HTTPError as error:
+                    live.update(Text(f"kvturn top: {source.url}: {error} (retrying)"), refresh=True)
+                else:
+                    live.update(view(snap, previous, source.url), refresh=True)
+                    previous = snap
+                time.sleep(interval_s)
     except KeyboardInterrupt:
         return 0
     except httpx.HTTPError as error:
@@ -418,7 +417,6 @@ def run(url: str, interval_s: float, once: bool, api_key: str | None, console: A
         return 1
     finally:
         source.close()
-    return 0
 
 
 def cmd_top(args: argparse.Namespace) -> int:

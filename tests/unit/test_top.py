@@ -20,7 +20,8 @@ from rich.console import Console
 
 from kvturn.gateway import top
 from kvturn.gateway.config import GatewayConfig, endpoints
-from tests.gateway_fixtures import running_fake_engine, running_gateway
+from kvturn.gateway.server import GatewayThread
+from tests.gateway_fixtures import free_port, running_fake_engine, running_gateway
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,11 @@ def test_top_draws_the_gateways_live_figures(gateway: str, fake_url: str) -> Non
         _turns(gateway, "warm-up", 2)
         before = source.scrape()
         plans = _turns(gateway, f"c-{uuid.uuid4().hex}", 4) + _turns(gateway, "other", 1)
+        # A turn's KV location (so its live lease) is recorded just after its reply.
+        deadline = time.monotonic() + 30
+        while _metric(httpx.get(gateway + "/metrics").text, "kvturn_live_conversations") < 3:
+            assert time.monotonic() < deadline, "the three conversations never went live"
+            time.sleep(0.05)
         after = source.scrape()
         metrics = httpx.get(gateway + "/metrics").text
     finally:
@@ -100,8 +106,8 @@ def test_top_draws_the_gateways_live_figures(gateway: str, fake_url: str) -> Non
     recomputed = _metric(metrics, "kvturn_recomputed_tokens_total")
     assert _row(screen, "recomputed")[1] == f"{recomputed:,.0f}"
     # Conversations and engines (the fake engine is prefill and decode, both healthy).
-    live = _metric(metrics, "kvturn_live_conversations")
-    assert f"live conversations {live:,.0f}" in screen
+    assert _metric(metrics, "kvturn_live_conversations") == 3
+    assert "live conversations 3 (in table 3)" in screen
     host = fake_url.removeprefix("http://")
     assert re.search(rf"prefill\s*│\s*{re.escape(host)}\s*│\s*up", screen), screen
     assert re.search(rf"decode\s*│\s*{re.escape(host)}\s*│\s*up", screen), screen
@@ -167,15 +173,19 @@ def test_kvturn_top_once_on_the_command_line(gateway: str) -> None:
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_kvturn_top_live_in_a_real_terminal(gateway: str, tmp_path: Any) -> None:
-    """``kvturn top`` (live, not --once) in a tmux pane: the screen follows new turns."""
+def test_kvturn_top_live_in_a_real_terminal(fake_url: str) -> None:
+    """``kvturn top`` (live, not --once) in a tmux pane, started before the gateway: it waits
+    for the gateway, then the screen follows new turns."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     session = f"kvturn-top-{uuid.uuid4().hex[:8]}"
-    command = f"{sys.executable} -m kvturn.gateway.cli top --url {gateway} --interval 0.3"
+    command = f"{sys.executable} -m kvturn.gateway.cli top --url {url} --interval 0.3"
     env = {**os.environ, "TMUX": ""}
     subprocess.run(
         ["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "50", command],
         check=True, env=env, timeout=30,
     )  # fmt: skip
+    gateway = None
     try:
 
         def screen() -> str:
@@ -186,6 +196,7 @@ def test_kvturn_top_live_in_a_real_terminal(gateway: str, tmp_path: Any) -> None
 
         def wait_for(predicate: Any) -> str:
             deadline = time.monotonic() + 30
+            shown = ""
             while time.monotonic() < deadline:
                 shown = screen()
                 if predicate(shown):
@@ -193,14 +204,22 @@ def test_kvturn_top_live_in_a_real_terminal(gateway: str, tmp_path: Any) -> None
                 time.sleep(0.2)
             raise AssertionError(f"screen never showed it:\n{shown}")
 
+        wait_for(lambda s: "(retrying)" in s)  # no gateway yet: it waits, it does not exit
+        config = GatewayConfig(
+            prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url])
+        )
+        gateway = GatewayThread(config, port=port).start()
         wait_for(lambda s: "turns by plan" in s)
-        _turns(gateway, "live-1", 3)
-        shown = wait_for(lambda s: "pull-reuse" in s and _cells(s, "pull-reuse")[:1] == ["2"])
-        _turns(gateway, "live-1", 2)
+        _turns(url, "live-1", 3)
+        shown = wait_for(lambda s: _cells(s, "pull-reuse")[:1] == ["2"])
+        _turns(url, "live-1", 2)
         shown = wait_for(lambda s: _cells(s, "pull-reuse")[:1] == ["4"])
         assert "kvturn top" in shown and "live conversations 1" in shown
+        assert _cells(shown, "recompute")[:2] == ["1", "20%"]
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], env=env, timeout=30)
+        if gateway is not None:
+            gateway.stop()
 
 
 def _cells(screen: str, first: str) -> list[str]:
