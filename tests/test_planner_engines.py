@@ -9,6 +9,7 @@ how much of a local turn's prompt it served.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -88,17 +89,31 @@ class Transfers:
     def settle(self) -> tuple[float, float]:
         """(prefill reads, decode reads) since construction, not counting the canary's."""
         canary = [{"role": "user", "content": long_prompt(300, f"canary {uuid.uuid4()}")}]
-        run_turn(_client(self.gateway), self.pair.model, canary)
+        conversation = f"canary-{uuid.uuid4().hex[:8]}"
+        run_turn(_client(self.gateway), self.pair.model, canary, conversation)
         self.decode.wait_for(1)
+        _release(self.gateway, conversation)
         prefill_count, _ = self.prefill._read()
         decode_count, _ = self.decode._read()
         return prefill_count - self.prefill.count, decode_count - self.decode.count - 1
+
+
+def _release(gateway: GatewayThread, conversation: str) -> None:
+    httpx.delete(f"{gateway.url}/v1/kvturn/conversations/{conversation}").raise_for_status()
+
+
+def _blocks_held(pair: LocalPair) -> int:
+    stats = httpx.get(
+        pair.decode_control_url + "/kvturn/leases", headers=pair.control_headers, timeout=10
+    ).json()
+    return int(stats["blocks_held"])
 
 
 def _decode_local_turns(pair: LocalPair, gateway: GatewayThread, stream: bool) -> list[TurnResult]:
     client = _client(gateway)
     conversation = f"local-{uuid.uuid4().hex[:8]}"
     messages = _opening(f"river deltas {stream}")
+    held_before = _blocks_held(pair)
     transfers = Transfers(pair, gateway)
     first = run_turn(client, pair.model, messages, conversation, stream=stream)
     assert first.plan == "recompute"
@@ -113,6 +128,12 @@ def _decode_local_turns(pair: LocalPair, gateway: GatewayThread, stream: bool) -
         results.append(got)
     # Decode read the first turn's prompt from prefill; not a byte of KV moved after that.
     assert transfers.settle() == (0, 1)
+    # Released, the conversation's blocks go back: a local turn's lease is freed like any.
+    _release(gateway, conversation)
+    deadline = time.monotonic() + 30
+    while _blocks_held(pair) > held_before:
+        assert time.monotonic() < deadline, (_blocks_held(pair), held_before)
+        time.sleep(0.2)
     return results
 
 
