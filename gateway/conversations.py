@@ -8,6 +8,7 @@ fetched when a turn reuses them, so an entry stays well under 1 KB however long 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,6 +32,9 @@ class Conversation:
     #: cache to serve it whole. 24 hex characters, not the digest list.
     held_digest: str | None = None
     held_digest_tokens: int = 0
+    #: A digest of the ``cache_salt`` the held KV was computed under (vLLM shares no KV
+    #: between differently salted requests; neither does kvturn).
+    held_salt: bytes | None = None
     #: When the holder's lease on the blocks lapses unless a turn or heartbeat renews it
     #: (gateway clock; the holder's connector is the truth, this is its last answer).
     lease_expires_at: float = 0.0
@@ -44,6 +48,7 @@ class Conversation:
     settling: asyncio.Event | None = field(default=None, repr=False)
 
     def has_live_kv(self, now: float, margin_s: float) -> bool:
+        """Whether the holder still leases the KV (by the gateway's last word from it)."""
         return self.holder_url is not None and now + margin_s < self.lease_expires_at
 
 
@@ -90,6 +95,7 @@ class ConversationStore:
         lease_expires_in_s: float,
         held_digest: str | None = None,
         held_digest_tokens: int = 0,
+        held_salt: bytes | None = None,
     ) -> None:
         """The holder decode now leases ``held_tokens`` of this conversation's KV."""
         now = self.clock()
@@ -98,6 +104,7 @@ class ConversationStore:
         conversation.held_tokens = held_tokens
         conversation.held_digest = held_digest
         conversation.held_digest_tokens = held_digest_tokens if held_digest else 0
+        conversation.held_salt = held_salt
         conversation.lease_expires_at = now + lease_expires_in_s
         conversation.last_seen = now
 
@@ -115,6 +122,7 @@ class ConversationStore:
         conversation.held_tokens = 0
         conversation.held_digest = None
         conversation.held_digest_tokens = 0
+        conversation.held_salt = None
         conversation.lease_expires_at = 0.0
 
     def renewed(self, conversation: Conversation, expires_in_s: float | None) -> float:
@@ -161,3 +169,10 @@ class ConversationStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def salt_digest(cache_salt: object) -> bytes | None:
+    """What a conversation keeps of a request's ``cache_salt``: 8 bytes, or ``None``."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(str(cache_salt).encode(), digest_size=8).digest()

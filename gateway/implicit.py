@@ -10,8 +10,9 @@ Matching only finds the conversation; it never decides what KV is reused. Every 
 exact token ids (decode's prefix cache hashes them, prefill's pull checks the holder's digests),
 so a false match, an edited message or a reply the client reformatted costs reuse, never an
 answer. Two requests that extend the same turn (branches) both find it; the first takes its KV,
-the other recomputes or reuses what still matches. Digests are seeded with the caller's tenant
-and the model, so tenants never match each other's turns. Memory is bounded: one entry per
+the other recomputes or reuses what still matches. Digests are seeded with the caller's tenant,
+the model and the request's ``cache_salt``, so tenants (and differently salted requests) never
+match each other's turns. Memory is bounded: one entry per
 recent turn, least recently used dropped first.
 """
 
@@ -99,8 +100,11 @@ def extend(digest: bytes, message: dict[str, Any]) -> bytes:
     return h.digest()
 
 
-def seed(tenant: str, model: Any) -> str:
-    return f"{tenant}\0{model}"
+def seed(tenant: str, model: Any, cache_salt: Any = None) -> str:
+    """What every digest of a conversation starts from: requests of another tenant, for
+    another model, or under another ``cache_salt`` (vLLM's promise that differently salted
+    requests share no KV) never match."""
+    return f"{tenant}\0{model}\0{cache_salt}"
 
 
 class ImplicitIndex:

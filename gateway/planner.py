@@ -37,7 +37,8 @@ class TurnPlan:
     plan: PlanName
     #: Why, for headers and metrics. ``recompute``: ``no-conversation``, ``first-turn``,
     #: ``lease-expired``, ``holder-unhealthy``, ``below-threshold``, ``lease-reclaimed``,
-    #: ``kv-gone``, ``pull-failed``, ``no-common-prefix``, ``decode-failed``.
+    #: ``kv-gone``, ``pull-failed``, ``no-common-prefix``, ``decode-failed``,
+    #: ``cache-salt-changed``.
     #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``history-edited``,
     #: ``suffix-too-long``, ``holder-busy``, ``cheaper``. ``decode-local``: ``cheaper``.
     reason: str
@@ -64,13 +65,17 @@ def plan_turn(
     holder_healthy: bool,
     expiry_margin_s: float,
     threshold_tokens: int,
+    salt: bytes | None = None,
 ) -> TurnPlan:
     """Whether ``conversation`` has KV a turn can reuse: :data:`REUSE`, or a ``recompute``
-    plan with the reason it cannot."""
+    plan with the reason it cannot. ``salt``: the turn's :func:`salt_digest`."""
     if conversation is None:
         return RECOMPUTE_NO_CONVERSATION
     if conversation.holder_url is None:
         return TurnPlan("recompute", "first-turn")
+    if conversation.held_salt != salt:
+        # vLLM shares no KV between requests under different cache salts: neither do we.
+        return TurnPlan("recompute", "cache-salt-changed")
     if not conversation.has_live_kv(now, expiry_margin_s):
         return TurnPlan("recompute", "lease-expired")
     if not holder_healthy:

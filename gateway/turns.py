@@ -21,7 +21,7 @@ from kvturn import headers as h
 from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.conversations import Conversation, ConversationStore
+from kvturn.gateway.conversations import Conversation, ConversationStore, salt_digest
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
 from kvturn.gateway.implicit import (
     ImplicitIndex,
@@ -200,7 +200,8 @@ class TurnRunner:
             return None
         if (turn.body.get("n") or 1) != 1:
             return None  # which choice comes back next turn is not known
-        digests = message_digests(seed(turn.tenant, turn.body.get("model")), messages)
+        start = seed(turn.tenant, turn.body.get("model"), turn.body.get("cache_salt"))
+        digests = message_digests(start, messages)
         turn.implicit = digests[-1]
         found = self.implicit.match(digests)
         if found is not None:
@@ -286,6 +287,7 @@ class TurnRunner:
             holder_healthy=holder is not None and holder.healthy and holder.control_url is not None,
             expiry_margin_s=self.config.expiry_margin_s,
             threshold_tokens=self.config.reuse_threshold_tokens,
+            salt=salt_digest(turn.body.get("cache_salt")),
         )
         if conversation is None or conversation.holder_url is None:
             self.metrics.fallbacks_by[plan.reason].inc()
@@ -492,7 +494,13 @@ class TurnRunner:
         url = instance.url + turn.path
         upstream_headers = {"X-Request-Id": request_id}
         after = _After(
-            conversation, instance, request_id, supersedes, turn.implicit, prefilled.prompt_tokens
+            conversation,
+            instance,
+            request_id,
+            supersedes,
+            turn.implicit,
+            prefilled.prompt_tokens,
+            salt_digest(turn.body.get("cache_salt")),
         )
 
         if not turn.stream:
@@ -633,6 +641,7 @@ class TurnRunner:
                     lease_expires_in_s=float(retained.get("expires_in_s") or 0),
                     held_digest=str(digests[chunks - 1]) if chunks else None,
                     held_digest_tokens=chunks * DIGEST_CHUNK_TOKENS,
+                    held_salt=after.salt,
                 )
         finally:
             if event is not None:
@@ -655,6 +664,8 @@ class _After:
     implicit: bytes | None
     #: The turn's prompt tokens (what the next turn's prompt starts with, unedited).
     prompt_tokens: int = 0
+    #: The turn's cache salt (digest): the next turn reuses its KV only under the same.
+    salt: bytes | None = None
     reply: dict[str, Any] | None = None
     target_control_url: str | None = None
 

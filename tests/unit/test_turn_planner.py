@@ -314,3 +314,30 @@ def test_reply_collector_rebuilds_a_streamed_reply() -> None:
     assert twice.message() is None  # n > 1: not recorded
     assert reply_message({"choices": [{"message": {"role": "assistant", "content": "x"}}]})
     assert reply_message({"choices": []}) is None
+
+
+def test_a_changed_cache_salt_never_reuses() -> None:
+    from kvturn.gateway.conversations import salt_digest
+
+    store = ConversationStore(10, clock=Clock())
+    conversation = store.get_or_create("c")
+    store.record_retained(
+        conversation, HOLDER, "r1", 4000, lease_expires_in_s=30, held_salt=salt_digest("alpha")
+    )
+
+    def reason(salt: object) -> str:
+        return plan_turn(
+            conversation, store.clock(), holder_healthy=True, expiry_margin_s=0.5,
+            threshold_tokens=64, salt=salt_digest(salt),
+        ).reason  # fmt: skip
+
+    assert reason("alpha") == "reuse"
+    assert reason("beta") == "cache-salt-changed"
+    assert reason(None) == "cache-salt-changed"
+    # Implicit conversations: another salt is another conversation.
+    index = ImplicitIndex(10)
+    turn = [USER, {"role": "assistant", "content": "Sunny."}]
+    index.record(message_digests(seed("", "tiny", "alpha"), turn)[-1], ("k", "c"))
+    resent = [*turn, {"role": "user", "content": "And tomorrow?"}]
+    assert index.match(message_digests(seed("", "tiny", "alpha"), resent)) == ("k", "c")
+    assert index.match(message_digests(seed("", "tiny", "beta"), resent)) is None
