@@ -162,7 +162,6 @@ def test_prefill_pulls_only_what_the_digests_prove(local_pair: LocalPair) -> Non
     reads.wait_for(1, min_bytes=pulled * KV_BYTES_PER_TOKEN)
 
 
-@pytest.mark.stops_engines
 def _group_cpu_seconds(pid: int) -> float:
     """CPU seconds used so far by every process in ``pid``'s process group (an engine, its
     engine core and its workers)."""
@@ -207,6 +206,7 @@ def test_an_idle_pair_holding_a_lease_does_not_spin(local_pair: LocalPair) -> No
     httpx.delete(f"{gateway}/v1/kvturn/conversations/{conversation}")
 
 
+@pytest.mark.stops_engines
 def test_sigint_to_kvturn_up_stops_every_engine(local_pair: LocalPair) -> None:
     groups = {os.getpgid(pid) for pid in local_pair.engine_pids}
     assert _live_processes_in(groups), "the engines should be running before the signal"
