@@ -1,12 +1,11 @@
 """``kvturn top`` against a gateway on the fake engine: the screen shows the gateway's live
 figures (turns by plan, tokens, TTFT, conversations, engines), in a recorded rich console and
-in a real terminal (tmux)."""
+in a real terminal (a pseudo-terminal read through a VT emulator)."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -172,33 +171,71 @@ def test_kvturn_top_once_on_the_command_line(gateway: str) -> None:
     assert "turns by plan" in done.stdout and "engines" in done.stdout
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+class Terminal:
+    """A command in a real pseudo-terminal (150x50), its output drawn by a VT emulator."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import fcntl
+        import pty
+        import struct
+        import termios
+        import threading
+
+        import pyte
+
+        self.screen = pyte.Screen(150, 50)
+        self._stream = pyte.ByteStream(self.screen)
+        self._lock = threading.Lock()
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 150, 0, 0))
+        env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "150", "LINES": "50"}
+        self.process = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True
+        )
+        os.close(slave)
+        self._master = master
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self._master, 65536)
+            except OSError:  # the command exited and its side of the terminal closed
+                return
+            if not data:
+                return
+            with self._lock:
+                self._stream.feed(data)
+
+    def text(self) -> str:
+        with self._lock:
+            return "\n".join(self.screen.display)
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            os.close(self._master)
+
+
 def test_kvturn_top_live_in_a_real_terminal(fake_url: str) -> None:
-    """``kvturn top`` (live, not --once) in a tmux pane, started before the gateway: it waits
-    for the gateway, then the screen follows new turns."""
+    """``kvturn top`` (live, not --once) in a pseudo-terminal, started before the gateway: it
+    waits for the gateway, then the screen follows new turns."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    session = f"kvturn-top-{uuid.uuid4().hex[:8]}"
-    command = f"{sys.executable} -m kvturn.gateway.cli top --url {url} --interval 0.3"
-    env = {**os.environ, "TMUX": ""}
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "50", command],
-        check=True, env=env, timeout=30,
-    )  # fmt: skip
+    terminal = Terminal(
+        [sys.executable, "-m", "kvturn.gateway.cli", "top", "--url", url, "--interval", "0.3"]
+    )
     gateway = None
     try:
-
-        def screen() -> str:
-            return subprocess.run(
-                ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True,
-                check=True, timeout=30,
-            ).stdout  # fmt: skip
 
         def wait_for(predicate: Any) -> str:
             deadline = time.monotonic() + 30
             shown = ""
             while time.monotonic() < deadline:
-                shown = screen()
+                shown = terminal.text()
                 if predicate(shown):
                     return shown
                 time.sleep(0.2)
@@ -217,7 +254,7 @@ def test_kvturn_top_live_in_a_real_terminal(fake_url: str) -> None:
         assert "kvturn top" in shown and "live conversations 1" in shown
         assert _cells(shown, "recompute")[:2] == ["1", "20%"]
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], env=env, timeout=30)
+        terminal.close()
         if gateway is not None:
             gateway.stop()
 
