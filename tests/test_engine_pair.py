@@ -6,6 +6,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -162,21 +163,24 @@ def test_prefill_pulls_only_what_the_digests_prove(local_pair: LocalPair) -> Non
     reads.wait_for(1, min_bytes=pulled * KV_BYTES_PER_TOKEN)
 
 
-def _group_cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by every process in ``pid``'s process group (an engine, its
-    engine core and its workers)."""
-    group = os.getpgid(pid)
-    ticks = 0
+def _process_stats() -> Iterator[tuple[str, list[str]]]:
+    """(pid, the fields of ``/proc/<pid>/stat`` after the command) of every process: state is
+    field 0, the process group 2, user and system CPU ticks 11 and 12."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+                yield entry, stat.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == group:  # pgrp; utime and stime are fields 11 and 12 after it
-            ticks += int(fields[11]) + int(fields[12])
+
+
+def _group_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by every process in ``pid``'s process group (an engine, its
+    engine core and its workers)."""
+    group = os.getpgid(pid)
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in _process_stats() if int(f[2]) == group)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -218,16 +222,8 @@ def test_sigint_to_kvturn_up_stops_every_engine(local_pair: LocalPair) -> None:
 
 def _live_processes_in(groups: set[int]) -> list[str]:
     """Processes of these process groups that are still running (zombies are dead: skipped)."""
-    live = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp in groups and state not in ("Z", "X"):
-            live.append(f"{entry} ({state})")
-    return live
+    return [
+        f"{pid} ({f[0]})"
+        for pid, f in _process_stats()
+        if int(f[2]) in groups and f[0] not in ("Z", "X")
+    ]
