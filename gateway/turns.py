@@ -343,6 +343,7 @@ class TurnRunner:
         if not limits.enabled:
             return TurnPlan("pull-reuse", "local-off"), 0
         if holder.in_flight >= limits.max_running:
+            # choose_reuse would say the same; known now, it saves asking for the token ids.
             return TurnPlan("pull-reuse", "holder-busy"), 0
         started = time.perf_counter()
         ids = await prompt_token_ids(self.upstream, holder.url, turn.path, turn.body)
