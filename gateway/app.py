@@ -32,6 +32,17 @@ from kvturn.gateway.errors import (
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Pool, check_health_forever
 from kvturn.gateway.replies import Reply, error_reply, send_reply
+from kvturn.gateway.responses import (
+    RESPONSES_PATH,
+    ResponseStore,
+    Translated,
+    assistant_message,
+    deleted,
+    not_found,
+    responses_reply,
+    translate,
+)
+from kvturn.gateway.tokens import CHAT_PATH
 from kvturn.gateway.turns import Turn, TurnRunner
 from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.validation import check_request
@@ -55,6 +66,8 @@ class Gateway:
         self.runner = TurnRunner(
             config, self.prefill, self.decode, self.upstream, self.store, self.metrics
         )
+        #: Stored Responses API responses, for ``previous_response_id`` and ``GET``.
+        self.responses = ResponseStore(config.max_responses, config.responses_ttl_s)
         self.models: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -131,7 +144,7 @@ SWEEP_INTERVAL_S = 1.0
 SWEEP_BUDGET = 2000
 
 #: The turn endpoints.
-TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PATH})
 
 
 #: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
@@ -325,6 +338,19 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         answer = control.ReleaseResponse(conversation_id=conversation_id, released=released)
         return Response(answer.model_dump_json(), media_type="application/json")
 
+    async def stored_response(request: Request) -> Response:
+        """``GET``/``DELETE /v1/responses/{id}``: a stored response of the caller's tenant."""
+        response_id = request.path_params["response_id"]
+        tenant = request.scope[TENANT_SCOPE_KEY]
+        if request.method == "DELETE":
+            if gateway.responses.delete(tenant, response_id):
+                return JSONResponse(deleted(response_id))
+            return _error(not_found(response_id))
+        found = gateway.responses.get(tenant, response_id)
+        if found is None:
+            return _error(not_found(response_id))
+        return JSONResponse(found.response)
+
     async def engine_route(request: Request) -> Response:
         """vLLM's own utility routes (``/version``, ``/tokenize``, ``/detokenize``), answered by
         a prefill engine: the same model, tokenizer and chat template as every engine."""
@@ -352,6 +378,8 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             # The turn endpoints are served by GatewayApp; listed here for 405s on GET.
             Route("/v1/chat/completions", _method_not_allowed, methods=["POST"]),
             Route("/v1/completions", _method_not_allowed, methods=["POST"]),
+            Route(RESPONSES_PATH, _method_not_allowed, methods=["POST"]),
+            Route(RESPONSES_PATH + "/{response_id}", stored_response, methods=["GET", "DELETE"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/version", engine_route, methods=["GET"]),
@@ -389,11 +417,18 @@ async def serve_turn(
         # the engine's to judge: prefill refuses a bad request before any work, with vLLM's
         # own error, which the client gets unchanged.
         body = _parse_body(raw_body)
-        check_request(path, body)
         given = headers.get(h.CONVERSATION_ID)
-        conversation_id = _conversation_id(
-            given if given is not None else headers.get(h.SESSION_ID), body
-        )
+        if given is None:
+            given = headers.get(h.SESSION_ID)
+        responses: Translated | None = None
+        if path == RESPONSES_PATH:
+            # Served as the chat turn it amounts to, and answered the Responses way.
+            responses = translate(body, gateway.responses, tenant)
+            path, body = CHAT_PATH, responses.chat
+            if given is None:
+                given = responses.conversation_id
+        check_request(path, body)
+        conversation_id = _conversation_id(given, body)
         turn_id = headers.get(h.TURN_ID)
         if turn_id is not None and len(turn_id) > 128:
             raise InvalidRequest("turn id is longer than 128 characters")
@@ -402,7 +437,10 @@ async def serve_turn(
             body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
         pause = _record_pause(gateway, headers)
         turn = Turn(path, body, conversation_id, turn_id, pause=pause, tenant=tenant)
-        return await gateway.runner.run(turn)
+        reply = await gateway.runner.run(turn)
+        if responses is not None:
+            return _responses_reply(gateway, responses, reply, tenant)
+        return reply
     except GatewayError as error:
         if error.status >= 500:
             logger.warning("turn failed: %s", error.message)
@@ -410,6 +448,23 @@ async def serve_turn(
     except Exception:
         logger.exception("unexpected error serving %s", path)
         return error_reply(GatewayError("internal gateway error"))
+
+
+def _responses_reply(gateway: Gateway, t: Translated, reply: Reply, tenant: str) -> Reply:
+    """A chat turn's reply, answered the Responses way; stored (when asked) once complete,
+    with the conversation it belonged to, for a turn chained to it."""
+    conversation_id = reply.headers.get(h.CONVERSATION_ID)
+
+    def done(response: dict[str, Any]) -> None:
+        reply_message = assistant_message(response["output"])
+        history = t.history if reply_message is None else [*t.history, reply_message]
+        if t.request.store:
+            gateway.responses.put(tenant, response, history, conversation_id)
+        if t.request.conversation is not None and t.conversation_id is not None:
+            gateway.responses.put_conversation(tenant, t.conversation_id, history)
+
+    cached = int(reply.headers.get(h.REUSED_TOKENS, "0") or 0)
+    return responses_reply(t, reply, cached, done)
 
 
 async def _read_body(receive: Any, limit: int) -> bytes:

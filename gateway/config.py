@@ -53,6 +53,10 @@ class GatewayConfig:
     implicit_conversations: bool = True
     #: Conversations remembered at once; the least recently used beyond this are dropped.
     max_conversations: int = 100_000
+    #: Responses API responses kept for ``previous_response_id`` and ``GET`` (least recently
+    #: used dropped first), and for how long each.
+    max_responses: int = 10_000
+    responses_ttl_s: float = 3600.0
     max_body_bytes: int = 32 * 1024 * 1024
     #: Request body bytes held at once (being read or served), all connections together;
     #: past it, new bodies get a 503 (parsing one costs several times its size in memory).
@@ -91,7 +95,8 @@ class GatewayConfig:
         env: dict[str, object] = {}
         typed: dict[str, Callable[[str], object]] = {
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
-            "max_conversations": int, "max_body_bytes": int, "body_budget_bytes": int,
+            "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
+            "max_body_bytes": int, "body_budget_bytes": int,
             "connect_timeout_s": float,
             "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,

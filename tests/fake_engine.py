@@ -74,6 +74,11 @@ def _completion(request_id: str, stream_chunk: bool = False) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _tool_call(name: str) -> dict[str, Any]:
+    return {"id": "call_fake1", "type": "function",
+            "function": {"name": name, "arguments": '{"x": 1}'}}  # fmt: skip
+
+
 async def app(scope: Scope, receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
         while True:
@@ -167,8 +172,15 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     }  # fmt: skip
     if len(_RETAINED) > 10_000:
         _RETAINED.pop(next(iter(_RETAINED)))
+    tool = (body.get("tool_choice") or {}) if isinstance(body.get("tool_choice"), dict) else {}
+    called = (tool.get("function") or {}).get("name")
     if not body.get("stream"):
-        await _send_json(send, 200, _completion(request_id))
+        answer = _completion(request_id)
+        if called:  # a named tool choice: the model calls it
+            answer["choices"][0]["message"] = {"role": "assistant", "content": None,
+                                               "tool_calls": [_tool_call(called)]}  # fmt: skip
+            answer["choices"][0]["finish_reason"] = "tool_calls"
+        await _send_json(send, 200, answer)
         return
     if body.get("fake_slow_stream"):
         chunks = int(body["fake_slow_stream"])
@@ -176,11 +188,24 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         return
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
-    for piece, finish in (("o", None), ("k", "stop")):
+    deltas: list[tuple[dict[str, Any], str | None]] = [
+        ({"content": "o"}, None),
+        ({"content": "k"}, "stop"),
+    ]
+    if called:  # a named tool choice: the call streams in two pieces
+        call = _tool_call(called)
+        head = {**call, "index": 0, "function": {"name": called, "arguments": ""}}
+        tail = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+        deltas = [({"tool_calls": [head]}, None), ({"tool_calls": [tail]}, "tool_calls")]
+    for delta, finish in deltas:
         chunk = {"id": request_id, "object": "chat.completion.chunk", "created": 0, "model": "fake",
-                 "choices": [{"index": 0, "delta": {"content": piece},
-                              "finish_reason": finish}]}  # fmt: skip
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
         await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                    "more_body": True})  # fmt: skip
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage = {"id": request_id, "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                 "choices": [], "usage": _completion(request_id)["usage"]}  # fmt: skip
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\n".encode(),
                     "more_body": True})  # fmt: skip
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 

@@ -5,10 +5,11 @@ the run (heartbeats go on up to the client's ``max_pause_seconds``) and the next
 same session resumes it; :meth:`AsyncOpenAI.release_conversation` ends it. The conversation id
 comes from the run: its ``conversation_id``, else its session's ``session_id``, else the run
 config's ``group_id``, else a new uuid4. Tool start/end hooks mark the pauses they cause as
-tool pauses, whatever API the model is called through::
+tool pauses, whatever API the model is called through (the SDK's default Responses model,
+:func:`responses_model`, or :func:`chat_completions_model`)::
 
     client = kvturn.client.AsyncOpenAI(base_url=..., api_key=...)
-    agent = Agent(name="a", tools=[...], model=chat_completions_model(client, "my-model"))
+    agent = Agent(name="a", tools=[...], model=responses_model(client, "my-model"))
     result = await run(client, agent, "hi", session=SQLiteSession("user-42"))
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 from agents import (
     Agent,
     OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
     RunConfig,
     RunHooks,
     Runner,
@@ -38,6 +40,7 @@ __all__ = [
     "chat_completions_model",
     "conversation_for_run",
     "conversation_id_for_run",
+    "responses_model",
     "run",
 ]
 
@@ -133,6 +136,12 @@ def chat_completions_model(client: AsyncOpenAI, model: str) -> OpenAIChatComplet
     """An Agents SDK model that calls chat completions through the kvturn client (the API a
     vLLM gateway serves)."""
     return OpenAIChatCompletionsModel(model=model, openai_client=client)
+
+
+def responses_model(client: AsyncOpenAI, model: str) -> OpenAIResponsesModel:
+    """The SDK's default model (the Responses API) through the kvturn client; the gateway
+    serves ``/v1/responses`` on the same turn path as chat completions."""
+    return OpenAIResponsesModel(model=model, openai_client=client)
 
 
 async def run(

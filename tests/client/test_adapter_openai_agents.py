@@ -5,9 +5,12 @@ Takes ``base_url``: the stand-in gateway by default, the real one with KVTURN_TE
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
+import httpx
 import pytest
 import pytest_asyncio
 from agents import (
@@ -32,6 +35,7 @@ from kvturn.client.adapters.openai_agents import (
     chat_completions_model,
     conversation_for_run,
     conversation_id_for_run,
+    responses_model,
     run,
 )
 
@@ -161,3 +165,75 @@ async def test_tool_hooks_mark_a_tool_pause_and_forward(client: AsyncOpenAI) -> 
         pause = conversation.current_pause()
     assert pause is not None and pause.kind == "tool"
     assert calls == ["start", "end"]
+
+
+@pytest.mark.engines
+async def test_default_responses_model_reuses_and_answers_as_one_engine_alone(
+    local_pair: Any,
+) -> None:
+    """The SDK's default model (the Responses API) through the real gateway: the tool runs,
+    model calls after the first reuse KV, and every call's output equals one engine alone
+    (vLLM's own ``/v1/responses``, fresh cache salt) answering the very request sent."""
+    sent: list[dict[str, Any]] = []
+    answered: list[dict[str, Any]] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        if request.url.path.endswith("/responses"):
+            sent.append(json.loads(request.content))
+
+    async def on_response(response: httpx.Response) -> None:
+        if response.request.url.path.endswith("/responses"):
+            answered.append(json.loads(await response.aread()))
+
+    http = httpx.AsyncClient(event_hooks={"request": [on_request], "response": [on_response]})
+    client = AsyncOpenAI(
+        base_url=local_pair.gateway_url,
+        api_key="test",
+        max_retries=0,
+        http_client=http,
+    )
+    seen: list[Conversation | None] = []
+    # Each question ends with its tool's result: the SDK fails a run on a response that stopped
+    # at max_output_tokens ("incomplete"), and a random-weight model's unforced answer never
+    # stops by itself (a stop string would end it, but vLLM aborts a request that hits one,
+    # and an aborted request keeps no KV for the next turn). Even a forced call can run on
+    # (vLLM's JSON grammar allows whitespace after the arguments): these two questions are
+    # ones the seeded test model's forced calls end on ("Weather in Oslo?" then "And in
+    # Bergen?" is one they do not).
+    agent = weather_agent(client, local_pair.model, seen).clone(
+        model=responses_model(client, local_pair.model), tool_use_behavior="stop_on_first_tool"
+    )
+    session = SQLiteSession("responses-run-1")  # the SDK sends the whole history each call
+    try:
+        first = await run(client, agent, "Weather in Paris?", session=session)
+        second = await run(client, agent, "And in Rome?", session=session)
+        assert first.final_output.startswith("sunny in ")  # the tool's own result
+        assert second.final_output.startswith("sunny in ")
+        conversation = client.kvturn_conversations["responses-run-1"]
+        assert_reuse_and_pause_kinds(conversation.turns)
+        assert [t.tool_calls for t in conversation.turns] == [True, True]
+        assert seen == [conversation, conversation]  # the tool ran once per question
+        assert len(sent) == len(answered) == len(conversation.turns)
+        async with httpx.AsyncClient(timeout=300) as engine:
+            for i, (body, got) in enumerate(zip(sent, answered, strict=True)):
+                alone = {**body, "store": False, "cache_salt": uuid.uuid4().hex}
+                url = f"{local_pair.prefill_url}/v1/responses"  # vLLM's own Responses server
+                want = await engine.post(url, json=alone)
+                want.raise_for_status()
+                expected = want.json()
+                assert _output_of(got) == _output_of(expected), f"model call {i + 1}"
+        await client.release_conversation("responses-run-1")
+    finally:
+        await client.close()
+        await http.aclose()
+
+
+def _output_of(response: dict[str, Any]) -> list[tuple[str, ...]]:
+    """A response's output as what the model said: texts, and calls by name and arguments."""
+    said: list[tuple[str, ...]] = []
+    for item in response["output"]:
+        if item["type"] == "message":
+            said.append(("text", "".join(part.get("text", "") for part in item["content"])))
+        elif item["type"] == "function_call":
+            said.append(("call", item["name"], item["arguments"]))
+    return said

@@ -1,0 +1,299 @@
+"""The Responses API on the gateway: translation to chat turns (pure) and the HTTP surface
+against a fake engine (the openai SDK's own Responses types parse every answer)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.errors import InvalidRequest
+from kvturn.gateway.responses import (
+    ResponseNotFound,
+    ResponseStore,
+    assistant_message,
+    translate,
+)
+from tests.gateway_fixtures import running_fake_engine, running_gateway
+
+TOOL = {
+    "type": "function",
+    "name": "lookup",
+    "description": "Look a word up.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+}
+
+
+def _empty() -> ResponseStore:
+    return ResponseStore(max_entries=10, ttl_s=60)
+
+
+# ---- translation -----------------------------------------------------------------------------
+
+
+def test_input_items_become_chat_messages_as_vllm_builds_them() -> None:
+    body = {
+        "model": "m",
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "user", "content": "count files"},
+            {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "wc", "arguments": '{"a":1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "a b"},
+            {"type": "function_call_output", "call_id": "c2", "output": "2"},
+            {"type": "reasoning", "id": "r", "summary": []},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Two.", "annotations": []}],
+            },
+            {"role": "user", "content": [{"type": "input_text", "text": "thanks"}]},
+        ],
+        "max_output_tokens": 7,
+        "temperature": 0,
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "name": "lookup"},
+    }
+    t = translate(body, _empty(), "")
+    assert t.chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "count files"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "wc", "arguments": '{"a":1}'},
+                },
+            ],
+        },
+        {"role": "tool", "content": "a b", "tool_call_id": "c1"},
+        {"role": "tool", "content": "2", "tool_call_id": "c2"},
+        {"role": "assistant", "content": "Two."},
+        {"role": "user", "content": [{"type": "text", "text": "thanks"}]},
+    ]
+    assert t.chat["max_tokens"] == 7 and t.chat["temperature"] == 0
+    assert t.chat["tools"] == [
+        {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+    ]
+    assert t.chat["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
+    assert "stream" not in t.chat
+    # The instructions are not part of what a chained turn starts from.
+    assert t.history == t.chat["messages"][1:]
+
+
+def test_chained_turn_starts_from_the_stored_history_and_its_conversation() -> None:
+    store = _empty()
+    reply = assistant_message(
+        [{"type": "function_call", "call_id": "c9", "name": "ls", "arguments": "{}"}]
+    )
+    store.put("t1", {"id": "resp_1"}, [{"role": "user", "content": "hi"}, reply], "conv-7")
+    stored = store.get("t1", "resp_1")
+    assert stored is not None
+    body = {
+        "model": "m",
+        "previous_response_id": "resp_1",
+        "instructions": "New rules.",
+        "input": [{"type": "function_call_output", "call_id": "c9", "output": "x.txt"}],
+        "stream": True,
+    }
+    with pytest.raises(ResponseNotFound):  # another tenant's response is not found
+        translate(body, store, "t2")
+    t = translate(body, store, "t1")
+    assert t.conversation_id == "conv-7"
+    assert t.chat["messages"] == [
+        {"role": "system", "content": "New rules."},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c9", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "content": "x.txt", "tool_call_id": "c9"},
+    ]
+    assert t.chat["stream"] is True and t.chat["stream_options"] == {"include_usage": True}
+    # The stored history is not changed by the turn built on it.
+    assert len(stored.messages) == 2
+
+
+def test_conversation_parameter_carries_its_history_like_openais_conversations() -> None:
+    store = _empty()
+    first = translate({"input": "hi", "conversation": "c1", "instructions": "x"}, store, "t")
+    assert first.conversation_id == "c1" and first.chat["messages"][-1]["content"] == "hi"
+    reply = {"role": "assistant", "content": "hello"}
+    store.put_conversation("t", "c1", [*first.history, reply])
+    second = translate({"input": "more", "conversation": {"id": "c1"}}, store, "t")
+    assert second.chat["messages"] == [
+        {"role": "user", "content": "hi"},
+        reply,
+        {"role": "user", "content": "more"},
+    ]
+    other = translate({"input": "more", "conversation": "c1"}, store, "someone-else")
+    assert other.chat["messages"] == [{"role": "user", "content": "more"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": 5}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0].call_id",
+        ),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "previous_response_id": "a", "conversation": "b"}, "previous_response_id"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "store": "yes"}, "store"),
+        ({"input": "hi", "background": True}, "background"),
+    ],
+)
+def test_bad_requests_name_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        translate(body, _empty(), "")
+    assert caught.value.param == param
+
+
+def test_unknown_previous_response_is_a_404_with_the_apis_code() -> None:
+    with pytest.raises(ResponseNotFound) as caught:
+        translate({"input": "hi", "previous_response_id": "resp_gone"}, _empty(), "")
+    assert caught.value.status == 404
+    assert caught.value.code == "previous_response_not_found"
+    assert caught.value.param == "previous_response_id"
+
+
+def test_store_is_bounded_expiring_and_per_tenant() -> None:
+    now = [0.0]
+    store = ResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
+    for rid in ("a", "b", "c"):
+        store.put("t1", {"id": rid}, [], None)
+    assert store.get("t1", "a") is None  # the least recently used went first
+    assert store.get("t1", "b") is not None and store.get("t2", "b") is None
+    now[0] = 10.0
+    assert store.get("t1", "b") is None and store.get("t1", "c") is None  # expired
+    store.put("t1", {"id": "d"}, [], None)
+    assert store.delete("t2", "d") is False and store.delete("t1", "d") is True
+    assert store.get("t1", "d") is None
+
+
+# ---- over HTTP, fake engine ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[str]:
+    with running_fake_engine() as url:
+        config = GatewayConfig(prefill=endpoints([url]), decode=endpoints([url], [url]))
+        with running_gateway(config) as running:
+            yield running.url
+
+
+@pytest.fixture
+def client(gateway: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0)
+
+
+def test_response_chained_by_previous_id_reuses_and_can_be_fetched_and_deleted(
+    client: openai.OpenAI, gateway: str
+) -> None:
+    first = client.responses.with_raw_response.create(model="fake", input="hi")
+    response = first.parse()
+    assert response.status == "completed" and response.output_text == "ok"
+    assert response.usage is not None and response.usage.output_tokens == 2
+    assert first.headers["x-kvturn-plan"] == "recompute"
+    conversation = first.headers["x-conversation-id"]
+    second = client.responses.with_raw_response.create(
+        model="fake", input="and?", previous_response_id=response.id
+    )
+    assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    assert second.headers["x-conversation-id"] == conversation
+    chained = second.parse()
+    assert chained.previous_response_id == response.id
+    assert chained.usage is not None and chained.usage.input_tokens_details.cached_tokens > 0
+    fetched = client.responses.retrieve(chained.id)
+    assert fetched.model_dump() == chained.model_dump()
+    client.responses.delete(chained.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(chained.id)
+    deleted = httpx.delete(f"{gateway}/v1/responses/{chained.id}")
+    assert deleted.status_code == 404 and deleted.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_streamed_responses_events_in_order_and_stored_at_the_end(client: openai.OpenAI) -> None:
+    with client.responses.stream(model="fake", input="hi") as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert kinds.count("response.output_text.delta") == 2
+    assert final.output_text == "ok" and final.usage is not None
+    assert client.responses.retrieve(final.id).output_text == "ok"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_calls_come_back_as_items_and_chain(client: openai.OpenAI, stream: bool) -> None:
+    asked: dict[str, Any] = {
+        "model": "fake",
+        "input": "look it up",
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "name": "lookup"},
+    }
+    if stream:
+        with client.responses.stream(**asked) as events:
+            kinds = [event.type for event in events]
+            response = events.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds
+        assert "response.function_call_arguments.done" in kinds
+    else:
+        response = client.responses.create(**asked)
+    [call] = response.output
+    assert call.type == "function_call"
+    assert (call.name, call.arguments, call.call_id) == ("lookup", '{"x": 1}', "call_fake1")
+    answer = client.responses.with_raw_response.create(
+        model="fake",
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "42"}],
+    )
+    assert answer.headers["x-kvturn-plan"] == "pull-reuse"
+    assert answer.parse().output_text == "ok"
+
+
+def test_unknown_previous_response_and_unstored_ones_get_the_apis_404(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model="fake", input="hi", previous_response_id="resp_nope")
+    assert caught.value.code == "previous_response_not_found"
+    unstored = client.responses.create(model="fake", input="hi", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="fake", input="x", previous_response_id=unstored.id)
+
+
+def test_store_false_with_the_full_input_reuses_by_its_messages(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="fake", input="tell me", store=False)
+    following = [
+        {"role": "user", "content": "tell me"},
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "user", "content": "more"},
+    ]
+    second = client.responses.with_raw_response.create(model="fake", input=following, store=False)
+    assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    assert second.headers["x-conversation-id"].startswith("implicit-")
+
+
+def test_conversation_parameter_names_the_conversation(client: openai.OpenAI) -> None:
+    for plan in ("recompute", "pull-reuse"):
+        raw = client.responses.with_raw_response.create(
+            model="fake", input="hi", conversation="conv_resp_param"
+        )
+        assert raw.headers["x-kvturn-plan"] == plan
+        assert raw.headers["x-conversation-id"] == "conv_resp_param"
+        assert raw.parse().conversation is not None
