@@ -32,9 +32,9 @@ from kvturn.gateway.errors import (
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Pool, check_health_forever
 from kvturn.gateway.replies import Reply, error_reply, send_reply
+from kvturn.gateway.response_store import response_store
 from kvturn.gateway.responses import (
     RESPONSES_PATH,
-    ResponseStore,
     Translated,
     assistant_message,
     deleted,
@@ -67,7 +67,12 @@ class Gateway:
             config, self.prefill, self.decode, self.upstream, self.store, self.metrics
         )
         #: Stored Responses API responses, for ``previous_response_id`` and ``GET``.
-        self.responses = ResponseStore(config.max_responses, config.responses_ttl_s)
+        self.responses = response_store(
+            config.state,
+            config.max_responses,
+            config.responses_ttl_s,
+            on_error=lambda op: self.metrics.state_errors.labels(op).inc(),
+        )
         self.models: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -137,6 +142,7 @@ class Gateway:
                 await task
         await self.runner.close()
         await self.upstream.close()
+        await self.responses.close()
 
 
 #: How often idle conversations are swept from the table, and at most how many per sweep.
@@ -342,11 +348,14 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         """``GET``/``DELETE /v1/responses/{id}``: a stored response of the caller's tenant."""
         response_id = request.path_params["response_id"]
         tenant = request.scope[TENANT_SCOPE_KEY]
-        if request.method == "DELETE":
-            if gateway.responses.delete(tenant, response_id):
-                return JSONResponse(deleted(response_id))
-            return _error(not_found(response_id))
-        found = gateway.responses.get(tenant, response_id)
+        try:
+            if request.method == "DELETE":
+                if await gateway.responses.delete(tenant, response_id):
+                    return JSONResponse(deleted(response_id))
+                return _error(not_found(response_id))
+            found = await gateway.responses.get(tenant, response_id)
+        except GatewayError as error:
+            return _error(error)
         if found is None:
             return _error(not_found(response_id))
         return JSONResponse(found.response)
@@ -423,7 +432,7 @@ async def serve_turn(
         responses: Translated | None = None
         if path == RESPONSES_PATH:
             # Served as the chat turn it amounts to, and answered the Responses way.
-            responses = translate(body, gateway.responses, tenant)
+            responses = await translate(body, gateway.responses, tenant)
             path, body = CHAT_PATH, responses.chat
             if given is None:
                 given = responses.conversation_id
@@ -439,7 +448,7 @@ async def serve_turn(
         turn = Turn(path, body, conversation_id, turn_id, pause=pause, tenant=tenant)
         reply = await gateway.runner.run(turn)
         if responses is not None:
-            return _responses_reply(gateway, responses, reply, tenant)
+            return await _responses_reply(gateway, responses, reply, tenant)
         return reply
     except GatewayError as error:
         if error.status >= 500:
@@ -450,21 +459,21 @@ async def serve_turn(
         return error_reply(GatewayError("internal gateway error"))
 
 
-def _responses_reply(gateway: Gateway, t: Translated, reply: Reply, tenant: str) -> Reply:
+async def _responses_reply(gateway: Gateway, t: Translated, reply: Reply, tenant: str) -> Reply:
     """A chat turn's reply, answered the Responses way; stored (when asked) once complete,
     with the conversation it belonged to, for a turn chained to it."""
     conversation_id = reply.headers.get(h.CONVERSATION_ID)
 
-    def done(response: dict[str, Any]) -> None:
+    async def done(response: dict[str, Any]) -> None:
         reply_message = assistant_message(response["output"])
         history = t.history if reply_message is None else [*t.history, reply_message]
         if t.request.store:
-            gateway.responses.put(tenant, response, history, conversation_id)
+            await gateway.responses.put(tenant, response, history, conversation_id)
         if t.request.conversation is not None and t.conversation_id is not None:
-            gateway.responses.put_conversation(tenant, t.conversation_id, history)
+            await gateway.responses.put_conversation(tenant, t.conversation_id, history)
 
     cached = int(reply.headers.get(h.REUSED_TOKENS, "0") or 0)
-    return responses_reply(t, reply, cached, done)
+    return await responses_reply(t, reply, cached, done)
 
 
 async def _read_body(receive: Any, limit: int) -> bytes:

@@ -118,6 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 ),
                 lease_s=args.lease_s,
                 reuse_threshold_tokens=args.recompute_threshold,
+                state=args.state,
             )
             gateway = GatewayThread(config, port=args.port).start()
         state: dict[str, object] = {
@@ -190,6 +191,9 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "max_local_running": (int, "requests a holder may be serving for a decode-local turn"),
     "local_stall_weight": (float, "weight of the delay a local prefill costs other streams"),
     "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
+    "max_responses": (int, "Responses API responses kept in process for chaining (LRU beyond)"),
+    "responses_ttl_s": (float, "how long a stored Responses API response is kept, seconds"),
+    "state": (str, "stored state: memory (this process) or redis://host:port/db (shared)"),
 }
 
 
@@ -259,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.add_argument("--no-gateway", action="store_true", help="start the engines only")
     up.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
+    up.add_argument(
+        "--state", default=None,
+        help="gateway state: memory (default) or redis://host:port/db (env KVTURN_STATE)",
+    )  # fmt: skip
     up.set_defaults(func=cmd_up)
 
     srv = sub.add_parser("serve", help="run the gateway in front of running engines")

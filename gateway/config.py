@@ -57,6 +57,9 @@ class GatewayConfig:
     #: used dropped first), and for how long each.
     max_responses: int = 10_000
     responses_ttl_s: float = 3600.0
+    #: Where stored state lives: ``None``/``memory`` (this process) or ``redis://host:port/db``
+    #: (shared by every gateway process and replica, kept across restarts).
+    state: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     #: Request body bytes held at once (being read or served), all connections together;
     #: past it, new bodies get a 503 (parsing one costs several times its size in memory).
@@ -101,7 +104,7 @@ class GatewayConfig:
             "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "decode_local": parse_flag,
-            "implicit_conversations": parse_flag,
+            "implicit_conversations": parse_flag, "state": str,
         }  # fmt: skip
         for name, kind in typed.items():
             value = os.environ.get(f"KVTURN_{name.upper()}")

@@ -45,6 +45,11 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.state_errors = Counter(
+            "kvturn_state_errors",
+            "Operations on the shared state store (Redis) that failed, by operation",
+            ["op"], registry=r,
+        )  # fmt: skip
         self.reused_tokens = Counter(
             "kvturn_reused_tokens", "Prompt tokens whose KV was pulled, not recomputed", registry=r
         )

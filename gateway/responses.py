@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from kvturn.gateway.errors import GatewayError, InvalidRequest
 from kvturn.gateway.replies import Reply, ReplyStream
+from kvturn.gateway.response_store import ResponseStore
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -76,77 +76,6 @@ class _Request(BaseModel):
 
 
 @dataclass(slots=True)
-class StoredResponse:
-    """What a later turn chained to a response needs, and what ``GET`` returns."""
-
-    response: dict[str, Any]
-    #: The chat messages the response's turn saw (its instructions left out) and its reply.
-    messages: list[dict[str, Any]]
-    #: The conversation the turn belonged to (its KV holder is found by it), if any.
-    conversation_id: str | None
-    expires_at: float
-
-
-class ResponseStore:
-    """Stored responses by tenant and id, and the history of each conversation named by the
-    ``conversation`` parameter, in this process: least recently used dropped past
-    ``max_entries`` (of each kind), each gone ``ttl_s`` after it was stored."""
-
-    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        self._responses: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
-        self._conversations: OrderedDict[tuple[str, str], tuple[list[Any], float]] = OrderedDict()
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self._clock = clock
-
-    def put(
-        self,
-        tenant: str,
-        response: dict[str, Any],
-        messages: list[dict[str, Any]],
-        conversation_id: str | None,
-    ) -> None:
-        stored = StoredResponse(response, messages, conversation_id, self._clock() + self.ttl_s)
-        self._add(self._responses, (tenant, response["id"]), stored)
-
-    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        found = self._find(self._responses, (tenant, response_id))
-        return found if found is None or found.expires_at > self._clock() else None
-
-    def delete(self, tenant: str, response_id: str) -> bool:
-        return self.get(tenant, response_id) is not None and bool(
-            self._responses.pop((tenant, response_id), None)
-        )
-
-    def put_conversation(
-        self, tenant: str, conversation_id: str, messages: list[dict[str, Any]]
-    ) -> None:
-        """The history a conversation's next turn starts from (its messages and replies)."""
-        entry = (messages, self._clock() + self.ttl_s)
-        self._add(self._conversations, (tenant, conversation_id), entry)
-
-    def conversation(self, tenant: str, conversation_id: str) -> list[dict[str, Any]] | None:
-        found = self._find(self._conversations, (tenant, conversation_id))
-        return found[0] if found is not None and found[1] > self._clock() else None
-
-    def _add(self, items: OrderedDict[Any, Any], key: tuple[str, str], value: Any) -> None:
-        items[key] = value
-        items.move_to_end(key)
-        while len(items) > self.max_entries:
-            items.popitem(last=False)
-
-    @staticmethod
-    def _find(items: OrderedDict[Any, Any], key: tuple[str, str]) -> Any:
-        found = items.get(key)
-        if found is not None:
-            items.move_to_end(key)
-        return found
-
-    def __len__(self) -> int:
-        return len(self._responses)
-
-
-@dataclass(slots=True)
 class Translated:
     """A Responses request as the chat turn it is served as."""
 
@@ -164,7 +93,7 @@ def not_found(response_id: str) -> ResponseNotFound:
     return ResponseNotFound(f"Response with id '{response_id}' not found.")
 
 
-def translate(body: dict[str, Any], store: ResponseStore, tenant: str) -> Translated:
+async def translate(body: dict[str, Any], store: ResponseStore, tenant: str) -> Translated:
     """The chat request a Responses request amounts to: the new input after the history of
     the previous response, or of the named conversation (both from ``store``, the caller's
     tenant's)."""
@@ -185,9 +114,9 @@ def translate(body: dict[str, Any], store: ResponseStore, tenant: str) -> Transl
     conversation_id = _conversation_param(request.conversation)
     if conversation_id is not None:
         # Like OpenAI's conversations: the turn sees the conversation's items so far.
-        history = [dict(m) for m in store.conversation(tenant, conversation_id) or ()]
+        history = [dict(m) for m in await store.conversation(tenant, conversation_id) or ()]
     if request.previous_response_id is not None:
-        stored = store.get(tenant, request.previous_response_id)
+        stored = await store.get(tenant, request.previous_response_id)
         if stored is None:
             raise ResponseNotFound(
                 f"Previous response with id '{request.previous_response_id}' not found.",
@@ -411,7 +340,7 @@ def _usage(usage: dict[str, Any] | None, cached: int) -> dict[str, Any] | None:
     completion = int(usage.get("completion_tokens") or 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -481,14 +410,14 @@ class ResponsesStream:
     """A chat turn's SSE stream as Responses SSE events (a :class:`~.replies.ReplyStream`).
 
     ``on_done`` gets the final Response object when the stream completes (not when it breaks
-    off or the client leaves)."""
+    off or the client leaves), before the last events go out."""
 
     def __init__(
         self,
         inner: ReplyStream,
         t: Translated,
         cached: int,
-        on_done: Callable[[dict[str, Any]], None],
+        on_done: Callable[[dict[str, Any]], Awaitable[None]],
     ):
         self.inner = inner
         self.t = t
@@ -522,8 +451,10 @@ class ResponsesStream:
             if chunk is not None:
                 self._feed(out, chunk)
             if chunk is None or self.inner.at_end or self.failed:
-                self._end(out)
+                completed = self._end(out)
                 self.done = True
+                if completed is not None:
+                    await self.on_done(completed)
             if out:
                 return b"".join(out)
         return None
@@ -634,13 +565,14 @@ class ResponsesStream:
                 delta=arguments,
             )
 
-    def _end(self, out: list[bytes]) -> None:
+    def _end(self, out: list[bytes]) -> dict[str, Any] | None:
+        """The closing events; the final Response object, unless the stream failed."""
         if self.failed:
             failed = self.response
             failed["status"] = "failed"
             failed["error"] = {"code": "server_error", "message": "the model's reply broke off"}
             self._emit(out, "response.failed", response=failed)
-            return
+            return None
         output: list[dict[str, Any]] = []
         for index, (item, call_index, text) in enumerate(self.items):
             if call_index is None:
@@ -681,11 +613,14 @@ class ResponsesStream:
         _finish(response, self.finish_reason)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         self._emit(out, kind, response=response)
-        self.on_done(response)
+        return response
 
 
-def responses_reply(
-    t: Translated, reply: Reply, cached: int, on_done: Callable[[dict[str, Any]], None]
+async def responses_reply(
+    t: Translated,
+    reply: Reply,
+    cached: int,
+    on_done: Callable[[dict[str, Any]], Awaitable[None]],
 ) -> Reply:
     """The chat turn's reply as the Responses API answers; errors pass through unchanged."""
     if reply.status != 200:
@@ -694,7 +629,7 @@ def responses_reply(
         stream = ResponsesStream(reply.stream, t, cached, on_done)
         return Reply(200, headers=reply.headers, stream=stream)
     response = response_from_chat(t, orjson.loads(reply.body), cached)
-    on_done(response)
+    await on_done(response)
     return Reply(200, orjson.dumps(response), reply.headers)
 
 

@@ -10,6 +10,17 @@ if [[ -f $stamp && "$(cat "$stamp")" == "$fingerprint" ]]; then
   exit 0
 fi
 
+# Redis (the gateway's shared state; the tests start their own on a free port) from the
+# system's packages, as an operator would install it.
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "kvturn setup: installing redis-server (Debian package)"
+  sudo_=()
+  [[ $(id -u) -ne 0 ]] && sudo_=(sudo)
+  "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null ||
+    { "${sudo_[@]}" apt-get update -q >/dev/null &&
+      "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }
+fi
+
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null 2>&1 || python=python3
 echo "kvturn setup: creating/updating .venv with $($python --version)"

@@ -44,6 +44,54 @@ def running_fake_engine() -> Iterator[str]:
         thread.join(5)
 
 
+@dataclass
+class RedisServer:
+    """A real ``redis-server`` (Debian's package) of one test: no persistence, loopback."""
+
+    port: int
+    process: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        import shutil
+        import subprocess
+        import time
+
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is missing: scripts/setup.sh installs it"
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
+                return self
+            assert self.process.poll() is None, "redis-server exited at start"
+            assert time.monotonic() < deadline, "redis-server did not start in 20 s"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+        self.process = None
+
+
+@contextlib.contextmanager
+def running_redis() -> Iterator[RedisServer]:
+    """A real Redis on a free port for the test; stopped (by its pid) afterwards."""
+    server = RedisServer(free_port()).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @contextlib.contextmanager
 def running_gateway(config: GatewayConfig) -> Iterator[GatewayThread]:
     """A gateway with ``config`` on a free loopback port, for one test."""

@@ -18,7 +18,7 @@ from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.server import GatewayThread
 from tests.conftest import LocalPair
 from tests.engine_requests import KV_BYTES_PER_TOKEN, NixlReads, long_prompt
-from tests.gateway_fixtures import running_gateway
+from tests.gateway_fixtures import running_gateway, running_redis
 
 pytestmark = pytest.mark.engines
 
@@ -172,3 +172,36 @@ def test_conversation_parameter_keeps_the_history_and_reuses(
     ]
     alone = {k: v for k, v in asked.items() if k != "conversation"}
     assert second.parse().output_text == engine_alone_text(local_pair, {**alone, "input": history})
+
+
+def test_chained_state_survives_a_gateway_restart_with_redis(local_pair: LocalPair) -> None:
+    """Responses stored in Redis outlive the gateway that stored them: a new gateway chains to
+    one, and answers as one engine alone would with the whole history."""
+    with running_redis() as redis:
+        config = GatewayConfig(
+            prefill=endpoints([local_pair.prefill_url]),
+            decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
+            control_secret=local_pair.control_secret,
+            state=redis.url,
+        )
+        asked = {
+            "model": local_pair.model, "instructions": INSTRUCTIONS,
+            "max_output_tokens": MAX_TOKENS, "temperature": 0,
+        }  # fmt: skip
+        opening = long_prompt(800, f"lighthouse {uuid.uuid4()}")
+        with running_gateway(config) as before:
+            client = openai.OpenAI(base_url=before.url + "/v1", api_key="-", max_retries=0)
+            first = client.responses.create(input=opening, **asked)
+        follow_up = "Tool result: the lamp was replaced. " * 3
+        with running_gateway(config) as after:
+            client = openai.OpenAI(base_url=after.url + "/v1", api_key="-", max_retries=0)
+            second = client.responses.create(
+                input=follow_up, previous_response_id=first.id, **asked
+            )
+        history = [
+            {"role": "user", "content": opening},
+            *(item.model_dump(exclude_none=True) for item in first.output),
+            {"role": "user", "content": follow_up},
+        ]
+        assert second.output_text == engine_alone_text(local_pair, {**asked, "input": history})
+        assert second.usage is not None and second.usage.input_tokens > 800

@@ -3,22 +3,37 @@ against a fake engine (the openai SDK's own Responses types parse every answer).
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
+import orjson
+import pydantic
 import pytest
 
 from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.errors import InvalidRequest
+from kvturn.gateway.response_store import (
+    MemoryResponseStore,
+    RedisResponseStore,
+    StateUnavailable,
+)
 from kvturn.gateway.responses import (
     ResponseNotFound,
-    ResponseStore,
+    ResponsesStream,
     assistant_message,
     translate,
 )
-from tests.gateway_fixtures import running_fake_engine, running_gateway
+from tests.gateway_fixtures import (
+    RedisServer,
+    free_port,
+    running_fake_engine,
+    running_gateway,
+    running_redis,
+)
 
 TOOL = {
     "type": "function",
@@ -28,14 +43,14 @@ TOOL = {
 }
 
 
-def _empty() -> ResponseStore:
-    return ResponseStore(max_entries=10, ttl_s=60)
+def _empty() -> MemoryResponseStore:
+    return MemoryResponseStore(max_entries=10, ttl_s=60)
 
 
 # ---- translation -----------------------------------------------------------------------------
 
 
-def test_input_items_become_chat_messages_as_vllm_builds_them() -> None:
+async def test_input_items_become_chat_messages_as_vllm_builds_them() -> None:
     body = {
         "model": "m",
         "instructions": "Be brief.",
@@ -58,7 +73,7 @@ def test_input_items_become_chat_messages_as_vllm_builds_them() -> None:
         "tools": [TOOL],
         "tool_choice": {"type": "function", "name": "lookup"},
     }
-    t = translate(body, _empty(), "")
+    t = await translate(body, _empty(), "")
     assert t.chat["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "count files"},
@@ -88,13 +103,13 @@ def test_input_items_become_chat_messages_as_vllm_builds_them() -> None:
     assert t.history == t.chat["messages"][1:]
 
 
-def test_chained_turn_starts_from_the_stored_history_and_its_conversation() -> None:
+async def test_chained_turn_starts_from_the_stored_history_and_its_conversation() -> None:
     store = _empty()
     reply = assistant_message(
         [{"type": "function_call", "call_id": "c9", "name": "ls", "arguments": "{}"}]
     )
-    store.put("t1", {"id": "resp_1"}, [{"role": "user", "content": "hi"}, reply], "conv-7")
-    stored = store.get("t1", "resp_1")
+    await store.put("t1", {"id": "resp_1"}, [{"role": "user", "content": "hi"}, reply], "conv-7")
+    stored = await store.get("t1", "resp_1")
     assert stored is not None
     body = {
         "model": "m",
@@ -104,8 +119,8 @@ def test_chained_turn_starts_from_the_stored_history_and_its_conversation() -> N
         "stream": True,
     }
     with pytest.raises(ResponseNotFound):  # another tenant's response is not found
-        translate(body, store, "t2")
-    t = translate(body, store, "t1")
+        await translate(body, store, "t2")
+    t = await translate(body, store, "t1")
     assert t.conversation_id == "conv-7"
     assert t.chat["messages"] == [
         {"role": "system", "content": "New rules."},
@@ -124,19 +139,19 @@ def test_chained_turn_starts_from_the_stored_history_and_its_conversation() -> N
     assert len(stored.messages) == 2
 
 
-def test_conversation_parameter_carries_its_history_like_openais_conversations() -> None:
+async def test_conversation_parameter_carries_its_history_like_openais_conversations() -> None:
     store = _empty()
-    first = translate({"input": "hi", "conversation": "c1", "instructions": "x"}, store, "t")
+    first = await translate({"input": "hi", "conversation": "c1", "instructions": "x"}, store, "t")
     assert first.conversation_id == "c1" and first.chat["messages"][-1]["content"] == "hi"
     reply = {"role": "assistant", "content": "hello"}
-    store.put_conversation("t", "c1", [*first.history, reply])
-    second = translate({"input": "more", "conversation": {"id": "c1"}}, store, "t")
+    await store.put_conversation("t", "c1", [*first.history, reply])
+    second = await translate({"input": "more", "conversation": {"id": "c1"}}, store, "t")
     assert second.chat["messages"] == [
         {"role": "user", "content": "hi"},
         reply,
         {"role": "user", "content": "more"},
     ]
-    other = translate({"input": "more", "conversation": "c1"}, store, "someone-else")
+    other = await translate({"input": "more", "conversation": "c1"}, store, "someone-else")
     assert other.chat["messages"] == [{"role": "user", "content": "more"}]
 
 
@@ -157,32 +172,32 @@ def test_conversation_parameter_carries_its_history_like_openais_conversations()
         ({"input": "hi", "background": True}, "background"),
     ],
 )
-def test_bad_requests_name_the_field(body: dict[str, Any], param: str) -> None:
+async def test_bad_requests_name_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        translate(body, _empty(), "")
+        await translate(body, _empty(), "")
     assert caught.value.param == param
 
 
-def test_unknown_previous_response_is_a_404_with_the_apis_code() -> None:
+async def test_unknown_previous_response_is_a_404_with_the_apis_code() -> None:
     with pytest.raises(ResponseNotFound) as caught:
-        translate({"input": "hi", "previous_response_id": "resp_gone"}, _empty(), "")
+        await translate({"input": "hi", "previous_response_id": "resp_gone"}, _empty(), "")
     assert caught.value.status == 404
     assert caught.value.code == "previous_response_not_found"
     assert caught.value.param == "previous_response_id"
 
 
-def test_store_is_bounded_expiring_and_per_tenant() -> None:
+async def test_store_is_bounded_expiring_and_per_tenant() -> None:
     now = [0.0]
-    store = ResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
+    store = MemoryResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
     for rid in ("a", "b", "c"):
-        store.put("t1", {"id": rid}, [], None)
-    assert store.get("t1", "a") is None  # the least recently used went first
-    assert store.get("t1", "b") is not None and store.get("t2", "b") is None
+        await store.put("t1", {"id": rid}, [], None)
+    assert await store.get("t1", "a") is None  # the least recently used went first
+    assert await store.get("t1", "b") is not None and await store.get("t2", "b") is None
     now[0] = 10.0
-    assert store.get("t1", "b") is None and store.get("t1", "c") is None  # expired
-    store.put("t1", {"id": "d"}, [], None)
-    assert store.delete("t2", "d") is False and store.delete("t1", "d") is True
-    assert store.get("t1", "d") is None
+    assert await store.get("t1", "b") is None and await store.get("t1", "c") is None  # expired
+    await store.put("t1", {"id": "d"}, [], None)
+    assert await store.delete("t2", "d") is False and await store.delete("t1", "d") is True
+    assert await store.get("t1", "d") is None
 
 
 # ---- over HTTP, fake engine ------------------------------------------------------------------
@@ -297,3 +312,187 @@ def test_conversation_parameter_names_the_conversation(client: openai.OpenAI) ->
         assert raw.headers["x-kvturn-plan"] == plan
         assert raw.headers["x-conversation-id"] == "conv_resp_param"
         assert raw.parse().conversation is not None
+
+
+# ---- Redis state -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with running_redis() as server:
+        yield server
+
+
+async def test_redis_store_keeps_responses_and_conversations_per_tenant_until_expiry(
+    redis_server: RedisServer,
+) -> None:
+    store = RedisResponseStore(redis_server.url, ttl_s=0.5, prefix=f"t{uuid.uuid4().hex}:")
+    try:
+        message = [{"role": "user", "content": "hi"}]
+        await store.put("t1", {"id": "resp_a", "output": []}, message, "conv-1")
+        found = await store.get("t1", "resp_a")
+        assert found is not None
+        assert (found.response["id"], found.messages, found.conversation_id) == (
+            "resp_a", message, "conv-1"
+        )  # fmt: skip
+        assert await store.get("t2", "resp_a") is None  # another tenant's
+        await store.put_conversation("t1", "c", message)
+        assert await store.conversation("t1", "c") == message
+        assert await store.conversation("t2", "c") is None
+        assert await store.delete("t2", "resp_a") is False
+        assert await store.delete("t1", "resp_a") is True
+        assert await store.get("t1", "resp_a") is None
+        await store.put("t1", {"id": "resp_b"}, [], None)
+        await asyncio.sleep(0.8)
+        assert await store.get("t1", "resp_b") is None  # expired
+        assert await store.conversation("t1", "c") is None
+    finally:
+        await store.close()
+
+
+async def test_redis_outage_is_a_503_on_lookup_and_a_counted_miss_on_store() -> None:
+    failed: list[str] = []
+    store = RedisResponseStore(f"redis://127.0.0.1:{free_port()}/0", 60, on_error=failed.append)
+    try:
+        await store.put("t", {"id": "resp_x"}, [], None)  # logged and counted, not raised
+        with pytest.raises(StateUnavailable) as caught:
+            await store.get("t", "resp_x")
+        assert caught.value.status == 503 and caught.value.code == "state_unavailable"
+        assert failed == ["put_response", "get_response"]
+    finally:
+        await store.close()
+
+
+def test_chained_response_survives_a_gateway_restart_with_redis_state(
+    redis_server: RedisServer,
+) -> None:
+    with running_fake_engine() as url:
+        config = GatewayConfig(
+            prefill=endpoints([url]), decode=endpoints([url], [url]), state=redis_server.url
+        )
+        with running_gateway(config) as first:
+            client = openai.OpenAI(base_url=first.url + "/v1", api_key="-", max_retries=0)
+            made = client.responses.create(model="fake", input="remember me")
+        with running_gateway(config) as second:  # a new process's worth of memory
+            client = openai.OpenAI(base_url=second.url + "/v1", api_key="-", max_retries=0)
+            assert client.responses.retrieve(made.id).output_text == "ok"
+            chained = client.responses.create(
+                model="fake", input="and now?", previous_response_id=made.id
+            )
+            assert chained.previous_response_id == made.id and chained.output_text == "ok"
+        redis_server.stop()
+        try:
+            with running_gateway(config) as third:
+                client = openai.OpenAI(base_url=third.url + "/v1", api_key="-", max_retries=0)
+                with pytest.raises(openai.InternalServerError) as caught:
+                    client.responses.create(
+                        model="fake", input="x", previous_response_id=chained.id
+                    )
+                assert caught.value.status_code == 503
+                assert caught.value.code == "state_unavailable"
+                # A turn that needs no stored state is served all the same.
+                assert client.responses.create(model="fake", input="x").output_text == "ok"
+                metrics = httpx.get(third.url + "/metrics").text
+                assert 'kvturn_state_errors_total{op="get_response"} 1.0' in metrics
+        finally:
+            redis_server.start()
+
+
+class _Chunks:
+    """A chat turn's SSE stream, as the turn path hands it on (a ReplyStream)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = list(chunks)
+        self.closed = 0
+
+    @property
+    def at_end(self) -> bool:
+        return not self.chunks
+
+    async def next_chunk(self) -> bytes | None:
+        return self.chunks.pop(0) if self.chunks else None
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+
+
+async def _events(stream: ResponsesStream) -> list[dict[str, Any]]:
+    out = b""
+    while (chunk := await stream.next_chunk()) is not None:
+        out += chunk
+        if stream.at_end:
+            break
+    await stream.aclose()
+    return [orjson.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: ")]
+
+
+async def test_a_stream_that_breaks_off_ends_failed_and_is_not_stored() -> None:
+    t = await translate({"model": "m", "input": "hi", "stream": True}, _empty(), "")
+    done: list[dict[str, Any]] = []
+
+    async def on_done(response: dict[str, Any]) -> None:
+        done.append(response)
+
+    delta = {"choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": None}]}
+    broke = {"error": {"message": "the decode engine's stream broke off", "code": "upstream_error"}}
+    # Split mid-event: the translation must reassemble events across chunks.
+    raw = _sse(delta) + _sse(broke)
+    inner = _Chunks([raw[:17], raw[17:]])
+    events = await _events(ResponsesStream(inner, t, 0, on_done))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in kinds
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert events[-1]["response"]["status"] == "failed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:
+        pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent).validate_python(event)
+    assert done == [] and inner.closed == 1
+
+
+async def test_a_stream_cut_at_max_tokens_is_incomplete_and_stored() -> None:
+    t = await translate({"model": "m", "input": "hi", "stream": True}, _empty(), "")
+    done: list[dict[str, Any]] = []
+
+    async def on_done(response: dict[str, Any]) -> None:
+        done.append(response)
+
+    chunks = (
+        _sse(
+            {"choices": [{"index": 0, "delta": {"content": "ab"}, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {"content": "c"}, "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}},
+        )
+        + b"data: [DONE]\n\n"
+    )
+    events = await _events(ResponsesStream(_Chunks([chunks]), t, 4, on_done))
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["output"][0]["content"][0]["text"] == "abc"
+    assert final["response"]["usage"]["input_tokens_details"]["cached_tokens"] == 4
+    events_type = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    for event in events:  # each as the SDK's types define it, strictly
+        events_type.validate_python(event)
+    assert done == [final["response"]]
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_response_objects_validate_strictly_against_the_sdks_types(
+    gateway: str, tools: bool
+) -> None:
+    """The SDK parses leniently; its pydantic types, validated strictly, catch a missing field."""
+    body: dict[str, Any] = {"model": "fake", "input": "hi", "metadata": {"k": "v"}}
+    if tools:
+        body |= {"tools": [TOOL], "tool_choice": {"type": "function", "name": "lookup"}}
+    answer = httpx.post(gateway + "/v1/responses", json=body)
+    assert answer.status_code == 200
+    response = openai.types.responses.Response.model_validate(answer.json())
+    assert response.metadata == {"k": "v"}
+    assert [item.type for item in response.output] == (["function_call"] if tools else ["message"])
+    fetched = httpx.get(f"{gateway}/v1/responses/{response.id}")
+    openai.types.responses.Response.model_validate(fetched.json())
