@@ -27,6 +27,8 @@ It overrides only what kvturn needs, on the scheduler side:
   ``kvturn_free_blocks_watermark`` (a fraction of the cache) or a waiting request cannot get its
   blocks, leases are reclaimed in order of expected return, so retention never keeps a request
   waiting.
+* **Stop strings** (decode): a turn that ends on one is aborted by vLLM's API server, and
+  NixlConnector keeps nothing of an aborted request; kvturn retains it like a finished one.
 * **Prefill** (``get_num_new_matched_tokens``): before pulling a decode's KV, compare those
   digests with the new prompt's exact token ids and trim the pull to the common prefix, or drop
   it. vLLM itself does not check that the pulled KV belongs to this prompt.
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+from vllm.v1.request import RequestStatus
 
 from kvturn.connector.block_usage import BlockUsage
 from kvturn.connector.control_server import ControlServer
@@ -234,7 +237,24 @@ class KvturnConnector(NixlConnector):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        delay_free, params = super().request_finished_all_groups(request, block_ids)
+        stopped_by_server = _aborted_after_decoding(request)
+        if stopped_by_server:
+            # A turn that ends on a stop string is ended by vLLM's API server, which aborts it
+            # in the engine core once the detokenized text shows the string: the core sees
+            # FINISHED_ABORTED, and NixlConnector keeps no KV for an aborted request. Measured
+            # here: every turn after a stop-string turn recomputed its whole history (planned
+            # "first-turn", 0 tokens reused), and agents that stop on strings (ReAct-style
+            # "Observation:") never reused. A request aborted after it began decoding holds
+            # exactly what a finished one holds (its prompt and the tokens decoded so far, which
+            # its digests describe), so it is retained as if it had stopped. One whose client
+            # left is retained too, until the gateway releases it (it does, for any turn whose
+            # reply it did not see complete), its lease lapses or memory is short.
+            request.status = RequestStatus.FINISHED_STOPPED
+        try:
+            delay_free, params = super().request_finished_all_groups(request, block_ids)
+        finally:
+            if stopped_by_server:
+                request.status = RequestStatus.FINISHED_ABORTED
         self._usage.drop(request.request_id)
         if not (delay_free and params and params.get("do_remote_decode")):
             return delay_free, params
@@ -327,6 +347,19 @@ class KvturnConnector(NixlConnector):
             self._control.stop()
             self._control = None
         super().shutdown()
+
+
+def _aborted_after_decoding(request: Request) -> bool:
+    """A conversation's decode request (sent by the gateway, not a prefill) that was aborted
+    once its prompt was computed and it had decoded at least one token."""
+    params = request.kv_transfer_params or {}
+    return (
+        request.status == RequestStatus.FINISHED_ABORTED
+        and bool(params.get(CONVERSATION_KEY))
+        and not params.get("do_remote_decode")
+        and request.num_output_tokens > 0
+        and request.num_computed_tokens >= request.num_prompt_tokens
+    )
 
 
 def _lease_owner(request_id: str) -> str:

@@ -614,6 +614,16 @@ class TurnRunner:
                     holder.control_url, request_id, self.config.publish_wait_s
                 )
             target = after.target_control_url
+            # The client left, or the stream broke, before the reply ended: decode keeps what
+            # an aborted turn computed (see the connector), and nobody will come back for a
+            # reply the client never saw. Free it now, not when its lease lapses.
+            wait_s = self.config.publish_wait_s
+            if (
+                after.incomplete
+                and target is not None
+                and await self.leases.published(target, request_id, wait_s)
+            ):
+                await self.leases.release(target, request_id)
             if after.supersedes is not None and retained is None and target is not None:
                 # A decode-local turn that left nothing behind: its new lease would have
                 # superseded the previous one; free that now instead.
@@ -669,6 +679,8 @@ class _After:
     salt: bytes | None = None
     reply: dict[str, Any] | None = None
     target_control_url: str | None = None
+    #: The reply did not reach its end (the client left, or decode's stream broke off).
+    incomplete: bool = False
 
     def __post_init__(self) -> None:
         if self.holder is not None:
@@ -753,6 +765,7 @@ class _Relay:
             self.runner._count(self.prefilled, self.instance)
         if not completed:
             self.after.holder = None
+            self.after.incomplete = True
         elif self.collector is not None:
             self.after.reply = self.collector.message()
         self.runner._settle_later(self.after)

@@ -69,8 +69,10 @@ def _next(messages: list[dict[str, Any]], reply: TurnResult, turn: int) -> list[
     return [*messages, {"role": "assistant", "content": reply.text}, tool]
 
 
-def _assert_same_answer(pair: LocalPair, got: TurnResult, messages: list[dict[str, Any]]) -> None:
-    want = single_engine_ids(pair.prefill_url, pair.model, messages, MAX_TOKENS)
+def _assert_same_answer(
+    pair: LocalPair, got: TurnResult, messages: list[dict[str, Any]], **extra: Any
+) -> None:
+    want = single_engine_ids(pair.prefill_url, pair.model, messages, MAX_TOKENS, **extra)
     first = next(
         (i for i, (a, b) in enumerate(zip(got.token_ids, want, strict=False)) if a != b), None
     )
@@ -336,3 +338,44 @@ def _completion_turns(local_pair: LocalPair, gateway: GatewayThread) -> None:
         wait_recorded(gateway, conversation["X-Conversation-Id"])
         prompt = prompt + completion.choices[0].text + f" Now the wind, part {turn}."
     assert plans == ["recompute", "decode-local", "decode-local"]
+
+
+def _stop_string_in(text: str) -> str:
+    """Two characters of ``text`` whose first occurrence starts after its first character: a
+    stop string the reply is sure to hit once it has decoded something."""
+    for start in range(1, len(text) - 1):
+        candidate = text[start : start + 2]
+        if text.find(candidate) == start and candidate.strip():
+            return candidate
+    raise AssertionError(f"no stop string in {text!r}")
+
+
+def test_turns_ending_on_a_stop_string_keep_their_kv(
+    local_pair: LocalPair, gateway: GatewayThread
+) -> None:
+    """vLLM's API server ends a turn on a stop string by aborting it in the engine, and
+    NixlConnector keeps nothing of an aborted request; kvturn's connector retains it like a
+    finished one, so the next turn reuses (before: it recomputed everything, "first-turn")."""
+    client = _client(gateway)
+    conversation = f"stops-{uuid.uuid4().hex[:8]}"
+    messages = _opening("stop strings")
+    previous: TurnResult | None = None
+    for turn in range(3):
+        if previous is not None:
+            messages = _next(messages, previous, turn)
+        unstopped = chat(local_pair.prefill_url, {
+            "model": local_pair.model, "messages": messages, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "cache_salt": uuid.uuid4().hex,
+        })["choices"][0]["message"]["content"]  # fmt: skip
+        stop = _stop_string_in(unstopped)
+        got = run_turn(client, local_pair.model, messages, conversation, stop=[stop])
+        assert got.finish_reason == "stop" and got.text == unstopped[: unstopped.find(stop)]
+        if turn == 0:
+            assert got.plan == "recompute"
+        else:
+            assert got.plan in ("pull-reuse", "decode-local"), (turn, got.plan, got.reason)
+            assert got.reused_tokens > 1000, (turn, got)
+        _assert_same_answer(local_pair, got, messages, stop=[stop])
+        wait_recorded(gateway, conversation)
+        previous = got
+    _release(gateway, conversation)

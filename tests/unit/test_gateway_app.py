@@ -146,7 +146,8 @@ def test_a_stream_is_relayed_chunk_by_chunk(gateway: str) -> None:
 
 
 def test_a_reader_leaving_a_stream_stops_it_at_the_engine(gateway: str, fake_url: str) -> None:
-    before = httpx.get(fake_url + "/fake/counts").json()["abandoned"]
+    counts = httpx.get(fake_url + "/fake/counts").json()
+    before, released = counts["abandoned"], counts.get("releases", 0)
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "fake_slow_stream": 200}  # 4 s if nobody stops it  # fmt: skip
     with httpx.stream("POST", gateway + "/v1/chat/completions", json=body) as response:
@@ -156,6 +157,10 @@ def test_a_reader_leaving_a_stream_stops_it_at_the_engine(gateway: str, fake_url
     deadline = time.monotonic() + 10
     while httpx.get(fake_url + "/fake/counts").json()["abandoned"] == before:
         assert time.monotonic() < deadline, "the engine kept streaming to nobody"
+        time.sleep(0.02)
+    # What decode kept of the abandoned turn is released at once: nobody comes back for it.
+    while httpx.get(fake_url + "/fake/counts").json().get("releases", 0) == released:
+        assert time.monotonic() < deadline, "the abandoned turn's KV was not released"
         time.sleep(0.02)
     # The gateway is fine afterwards.
     assert _chat(gateway).status_code == 200
