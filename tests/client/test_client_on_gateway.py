@@ -109,3 +109,38 @@ def test_turn_id_survives_the_sdk_retry(gateway: GatewayThread) -> None:
         assert store.get("retry-conv").retries == 1  # a new turn is not a retry
     assert _metrics(gateway, "kvturn_turn_retries_total") - retries == 1
     client.close()
+
+
+def test_responses_api_inside_a_conversation(gateway: GatewayThread) -> None:
+    """``client.responses.create`` inside a conversation: the gateway sees the conversation,
+    a function call in the reply makes the pause after it a tool pause, heartbeats renew the
+    lease through it, and leaving releases it."""
+    client = OpenAI(base_url=gateway.url + "/v1", api_key="-")
+    store = gateway.app.state.gateway.store
+    beats = _metrics(gateway, "kvturn_heartbeats_total")
+    tool_pauses = _metrics(gateway, 'kvturn_client_pause_seconds_count{kind="tool"}')
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
+    with client.conversation("responses-conv") as conversation:
+        asked = client.responses.create(
+            model="fake",
+            input="look it up",
+            tools=[tool],
+            tool_choice={"type": "function", "name": "lookup"},
+        )
+        assert asked.output[0].type == "function_call"
+        assert store.get("responses-conv") is not None
+        assert conversation.lease_seconds == LEASE_S
+        time.sleep(1.0)  # the tool "runs": heartbeats keep the lease
+        assert _metrics(gateway, "kvturn_heartbeats_total") - beats >= 1
+        with client.responses.stream(
+            model="fake",
+            previous_response_id=asked.id,
+            input=[{"type": "function_call_output", "call_id": "call_fake1", "output": "42"}],
+        ) as events:
+            for _ in events:
+                pass
+            assert events.get_final_response().output_text == "ok"
+        assert [turn.plan for turn in conversation.turns] == ["recompute", "pull-reuse"]
+    assert _metrics(gateway, 'kvturn_client_pause_seconds_count{kind="tool"}') - tool_pauses == 1
+    assert store.get("responses-conv") is None
+    client.close()
