@@ -200,21 +200,42 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvturn.gateway.server import serve
 
-    if not args.prefill or not args.decode:
-        raise SystemExit("kvturn serve: give at least one --prefill URL and one --decode URL")
-    config = GatewayConfig.from_env(
-        prefill=endpoints(args.prefill),
-        decode=endpoints(args.decode, args.decode_control),
-        **{name: getattr(args, name) for name in _GATEWAY_TUNABLES},
-    )
-    if config.api_keys.open and not _loopback(args.host) and not args.allow_open:
+    config, host, port, allow_open = serve_settings(args)
+    if config.api_keys.open and not _loopback(host) and not allow_open:
         raise SystemExit(
-            f"kvturn serve: refusing to listen on {args.host} without API keys (anyone who "
+            f"kvturn serve: refusing to listen on {host} without API keys (anyone who "
             "can reach it could use and end every conversation); set KVTURN_API_KEYS or "
             "KVTURN_API_KEYS_FILE, or pass --allow-open"
         )
-    serve(config, host=args.host, port=args.port)
+    serve(config, host=host, port=port)
     return 0
+
+
+def serve_settings(args: argparse.Namespace) -> tuple[GatewayConfig, str, int, bool]:
+    """``kvturn serve``'s gateway settings, address and openness: defaults, then the
+    deployment file (``--config``), then ``KVTURN_*`` variables, then flags."""
+    from kvturn.gateway.config_file import DeploymentFile, load_deployment
+
+    deployment = load_deployment(args.config) if args.config else DeploymentFile()
+    flags: dict[str, object] = {name: getattr(args, name) for name in _GATEWAY_TUNABLES}
+    if args.prefill:
+        flags["prefill"] = endpoints(args.prefill)
+    if args.decode:
+        flags["decode"] = endpoints(args.decode, args.decode_control)
+    config = GatewayConfig.from_env(
+        base={**deployment.gateway, **deployment.endpoints()},
+        api_keys_file=deployment.auth.api_keys_file,
+        **flags,
+    )
+    if not config.prefill or not config.decode:
+        raise SystemExit(
+            "kvturn serve: give at least one prefill and one decode engine (--prefill URL "
+            "--decode URL, KVTURN_PREFILL_URLS/KVTURN_DECODE_URLS, or a --config file)"
+        )
+    host = args.host or deployment.host or "127.0.0.1"
+    port = args.port or deployment.port or 8000
+    allow_open = bool(args.allow_open or deployment.allow_open)
+    return config, host, port, allow_open
 
 
 def _loopback(host: str) -> bool:
@@ -276,8 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-control", action="append", default=[],
         help="kvturn control URL of each decode engine, in --decode order",
     )  # fmt: skip
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--config", default=None,
+        help="a deployment file (TOML: pools, addresses, auth, settings; flags override it)",
+    )  # fmt: skip
+    srv.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
     srv.add_argument(
         "--allow-open", action="store_true",
         help="listen on a non-loopback address without API keys (anyone may call)",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvturn.gateway.auth import ApiKeys
@@ -93,9 +93,16 @@ class GatewayConfig:
             )
 
     @classmethod
-    def from_env(cls, **overrides: object) -> GatewayConfig:
-        """Defaults, then ``KVTURN_*`` environment variables, then explicit ``overrides``."""
-        env: dict[str, object] = {}
+    def from_env(
+        cls,
+        base: Mapping[str, object] | None = None,
+        api_keys_file: str | None = None,
+        **overrides: object,
+    ) -> GatewayConfig:
+        """Defaults, then ``base`` (a deployment file's settings), then ``KVTURN_*``
+        environment variables, then explicit ``overrides``. API keys come from the
+        ``KVTURN_API_KEYS_FILE`` file, else ``api_keys_file``, plus ``KVTURN_API_KEYS``."""
+        env: dict[str, object] = dict(base or {})
         typed: dict[str, Callable[[str], object]] = {
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
             "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
@@ -121,7 +128,7 @@ class GatewayConfig:
         engine_key = os.environ.get(ENGINE_API_KEY_ENV)
         if engine_key:
             env["engine_api_key"] = engine_key
-        keys = ApiKeys.load(os.environ.get(API_KEYS_FILE_ENV), os.environ)
+        keys = ApiKeys.load(os.environ.get(API_KEYS_FILE_ENV) or api_keys_file, os.environ)
         if not keys.open:
             env["api_keys"] = keys
         env.update({k: v for k, v in overrides.items() if v is not None})

@@ -93,3 +93,92 @@ def test_serve_refuses_an_open_gateway_on_a_public_address(
     cli.main([*base, "--host", "0.0.0.0"])
     assert [host for _, host in served] == ["0.0.0.0", "::1", "0.0.0.0"]
     assert served[-1][0].api_keys.tenants == {"team"}
+
+
+DEPLOYMENT = """
+host = "0.0.0.0"
+port = 9100
+
+[gateway]
+lease_s = 30
+state = "redis://10.0.0.9:6379/0"
+decode_local = false
+
+[auth]
+api_keys_file = "{keys}"
+
+[[prefill]]
+url = "http://10.0.0.1:8000/"
+
+[[decode]]
+url = "http://10.0.0.2:8000"
+control_url = "http://10.0.0.2:8300"
+
+[[decode]]
+url = "http://10.0.0.3:8000"
+control_url = "http://10.0.0.3:8300"
+"""
+
+
+def _serve_settings(argv: list[str]) -> tuple[GatewayConfig, str, int, bool]:
+    from kvturn.gateway.cli import serve_settings
+
+    return serve_settings(build_parser().parse_args(["serve", *argv]))
+
+
+def test_a_deployment_file_describes_pools_addresses_auth_and_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVTURN_API_KEYS", "KVTURN_API_KEYS_FILE", "KVTURN_LEASE_S", "KVTURN_STATE"):
+        monkeypatch.delenv(name, raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-0123456789abcdef team-a\n")
+    path = tmp_path / "kvturn.toml"
+    path.write_text(DEPLOYMENT.format(keys=keys))
+    config, host, port, allow_open = _serve_settings(["--config", str(path)])
+    assert (host, port, allow_open) == ("0.0.0.0", 9100, False)
+    assert [e.url for e in config.prefill] == ["http://10.0.0.1:8000"]
+    assert [(e.url, e.control_url) for e in config.decode] == [
+        ("http://10.0.0.2:8000", "http://10.0.0.2:8300"),
+        ("http://10.0.0.3:8000", "http://10.0.0.3:8300"),
+    ]
+    assert (config.lease_s, config.state, config.decode_local) == (
+        30, "redis://10.0.0.9:6379/0", False
+    )  # fmt: skip
+    assert config.api_keys.tenants == {"team-a"}
+    # Variables override the file, flags override both.
+    monkeypatch.setenv("KVTURN_LEASE_S", "45")
+    monkeypatch.setenv("KVTURN_DECODE_URLS", "http://10.0.0.7:8000")
+    config, _, port, _ = _serve_settings(["--config", str(path), "--port", "9200"])
+    assert config.lease_s == 45 and port == 9200
+    assert [e.url for e in config.decode] == ["http://10.0.0.7:8000"]
+    config, *_ = _serve_settings(
+        ["--config", str(path), "--lease-s", "5", "--decode", "http://d9"]
+    )
+    assert config.lease_s == 5 and [e.url for e in config.decode] == ["http://d9"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[gateway]\nlease = 3\n", "unknown gateway setting(s) lease"),
+        ("[gateway]\nlease_s = 'soon'\n", "lease_s must be a float"),
+        ("[gateway]\ndecode_local = 1\n", "decode_local must be a bool"),
+        ("[gateway]\ncontrol_secret = 'x'\n", "unknown gateway setting(s) control_secret"),
+        ("[[decode]]\nurl = 'd:8000'\n", "is not an http(s) URL"),
+        ("[[decode]]\nurl = 'http://d'\ncontroll_url = 'http://c'\n", "controll_url"),
+        ("prt = 1\n", "prt"),
+        ("host = \n", "not valid TOML"),
+        ("[[prefill]]\nurl = 'http://p'\n", "at least one prefill and one decode"),
+    ],
+)
+def test_deployment_file_mistakes_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, message: str
+) -> None:
+    for name in ("KVTURN_PREFILL_URLS", "KVTURN_DECODE_URLS"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "kvturn.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as caught:
+        _serve_settings(["--config", str(path)])
+    assert message in str(caught.value)
