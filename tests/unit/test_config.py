@@ -152,9 +152,7 @@ def test_a_deployment_file_describes_pools_addresses_auth_and_settings(
     config, _, port, _ = _serve_settings(["--config", str(path), "--port", "9200"])
     assert config.lease_s == 45 and port == 9200
     assert [e.url for e in config.decode] == ["http://10.0.0.7:8000"]
-    config, *_ = _serve_settings(
-        ["--config", str(path), "--lease-s", "5", "--decode", "http://d9"]
-    )
+    config, *_ = _serve_settings(["--config", str(path), "--lease-s", "5", "--decode", "http://d9"])
     assert config.lease_s == 5 and [e.url for e in config.decode] == ["http://d9"]
 
 
