@@ -25,6 +25,7 @@ model kvturn serves emits them); other item types (``item_reference``, hosted to
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -114,7 +115,7 @@ async def translate(body: dict[str, Any], store: ResponseStore, tenant: str) -> 
     conversation_id = _conversation_param(request.conversation)
     if conversation_id is not None:
         # Like OpenAI's conversations: the turn sees the conversation's items so far.
-        history = [dict(m) for m in await store.conversation(tenant, conversation_id) or ()]
+        history = copy.deepcopy(await store.conversation(tenant, conversation_id) or [])
     if request.previous_response_id is not None:
         stored = await store.get(tenant, request.previous_response_id)
         if stored is None:
@@ -123,7 +124,9 @@ async def translate(body: dict[str, Any], store: ResponseStore, tenant: str) -> 
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        history = [dict(m) for m in stored.messages]
+        # A copy: the new input may merge into its last message, and the stored history is
+        # what every other turn chained to the same response starts from.
+        history = copy.deepcopy(stored.messages)
         conversation_id = stored.conversation_id
     if isinstance(request.input, str):
         history.append({"role": "user", "content": request.input})

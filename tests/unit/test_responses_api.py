@@ -135,8 +135,20 @@ async def test_chained_turn_starts_from_the_stored_history_and_its_conversation(
         {"role": "tool", "content": "x.txt", "tool_call_id": "c9"},
     ]
     assert t.chat["stream"] is True and t.chat["stream_options"] == {"include_usage": True}
-    # The stored history is not changed by the turn built on it.
-    assert len(stored.messages) == 2
+    # The stored history is not changed by the turns built on it, even one whose input merges
+    # into its last message (a second call of the same assistant turn).
+    branch = await translate(
+        {
+            "previous_response_id": "resp_1",
+            "input": [{"type": "function_call", "call_id": "c10", "name": "ls", "arguments": ""}],
+        },
+        store,
+        "t1",
+    )
+    assert len(branch.chat["messages"][-1]["tool_calls"]) == 2
+    again = await store.get("t1", "resp_1")
+    assert again is not None and len(again.messages) == 2
+    assert len(again.messages[1]["tool_calls"]) == 1
 
 
 async def test_conversation_parameter_carries_its_history_like_openais_conversations() -> None:
