@@ -279,6 +279,7 @@ def create_app(config: GatewayConfig) -> GatewayApp:
                 "max_local_suffix_tokens": config.max_local_suffix_tokens,
                 "max_local_running": config.max_local_running,
                 "local_stall_weight": config.local_stall_weight,
+                "local_preference": config.local_preference,
                 "implicit_conversations": config.implicit_conversations,
                 "lease_s": config.lease_s,
             },

@@ -190,6 +190,7 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "max_local_suffix_tokens": (int, "longest new suffix a holder decode prefills itself"),
     "max_local_running": (int, "requests a holder may be serving for a decode-local turn"),
     "local_stall_weight": (float, "weight of the delay a local prefill costs other streams"),
+    "local_preference": (float, "a local prefill may be predicted this much slower than a pull"),
     "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
     "max_responses": (int, "Responses API responses kept in process for chaining (LRU beyond)"),
     "responses_ttl_s": (float, "how long a stored Responses API response is kept, seconds"),

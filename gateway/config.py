@@ -48,6 +48,9 @@ class GatewayConfig:
     #: Weight of the delay a local prefill inflicts on the holder's other streams (see
     #: :class:`kvturn.gateway.planner.LocalLimits`).
     local_stall_weight: float = 1.0
+    #: How much slower than a pull a decode-local turn may be predicted and still be chosen
+    #: (see :class:`kvturn.gateway.planner.LocalLimits`).
+    local_preference: float = 0.25
     #: Requests without a conversation id that extend a recent turn's messages and reply are
     #: served as that conversation's next turn.
     implicit_conversations: bool = True
@@ -81,6 +84,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.max_local_suffix_tokens < 0 or self.max_local_running < 0:
             raise ValueError("max_local_suffix_tokens and max_local_running must be >= 0")
+        if not self.local_preference >= 0:
+            raise ValueError(f"local_preference must be >= 0, not {self.local_preference}")
         if not self.local_stall_weight >= 0:
             raise ValueError(f"local_stall_weight must be >= 0, not {self.local_stall_weight}")
         if self.lease_s <= 0:
@@ -110,7 +115,7 @@ class GatewayConfig:
             "connect_timeout_s": float,
             "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
-            "local_stall_weight": float, "decode_local": parse_flag,
+            "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
             "implicit_conversations": parse_flag, "state": str,
         }  # fmt: skip
         for name, kind in typed.items():

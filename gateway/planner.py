@@ -98,6 +98,12 @@ class LocalLimits:
     #: a local prefill of ``t`` seconds on a decode serving ``k`` streams costs ``t`` for this
     #: turn and ``stall_weight * k * t`` for the others.
     stall_weight: float = 1.0
+    #: How much slower a local prefill may be predicted than a pull and still be chosen
+    #: (0.25: up to 25%). A pull moves the whole history twice over the transfer fabric,
+    #: a cost no single turn's timing shows (the bandwidth it takes from every other transfer);
+    #: and where the two are as close as on one host, learned costs that differ by noise would
+    #: otherwise flip the plan turn by turn.
+    preference: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +145,7 @@ def choose_reuse(inputs: ReuseInputs, limits: LocalLimits, costs: CostModel) -> 
     local = costs.local_seconds(inputs.holder_url, suffix, inputs.prefill_url)
     local += limits.stall_weight * inputs.holder_running * local
     pull = costs.pull_seconds(inputs.prefill_url, inputs.held_tokens, suffix)
-    if local <= pull:
+    if local <= pull * (1 + limits.preference):
         return TurnPlan("decode-local", "cheaper")
     return TurnPlan("pull-reuse", "cheaper")
 

@@ -158,6 +158,7 @@ class TurnRunner:
             max_suffix_tokens=config.max_local_suffix_tokens,
             max_running=config.max_local_running,
             stall_weight=config.local_stall_weight,
+            preference=config.local_preference,
         )
         self.implicit = ImplicitIndex(config.max_conversations)
         self._background: set[asyncio.Task[None]] = set()

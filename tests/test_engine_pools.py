@@ -46,8 +46,11 @@ def test_a_conversation_reuses_on_whichever_decode_holds_it(
         "--port", str(POOL_BASE_PORT - 10), "--kv-ttl", "120",
         "--log-dir", str(tmp_path / "logs"), "--state-file", str(state_file),
     ]  # fmt: skip
+    # The turns below must continue on their holders: a pull predicted within noise of a
+    # local prefill (on one host the two are) must not win (see tests/test_planner_engines.py).
+    env = {**os.environ, "KVTURN_LOCAL_PREFERENCE": "1.0"}
     with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        up = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     groups: set[int] = set()
     try:
         deadline = time.monotonic() + 900

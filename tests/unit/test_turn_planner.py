@@ -107,6 +107,27 @@ def test_learned_costs_decide_a_slow_holder_loses_to_pd() -> None:
     assert choose_reuse(_inputs(prompt_tokens=4010), LocalLimits(), costs).local
 
 
+def test_a_local_prefill_a_little_slower_than_a_pull_stays_local() -> None:
+    """Learned costs a few percent apart (noise, on one host) must not flip the plan: local is
+    kept until a pull is predicted more than ``preference`` faster."""
+    costs = CostModel()
+    suffix = 4200 - 3984
+    for _ in range(60):
+        costs.observe_prefill(PREFILL, suffix, 4000, 0.2)
+    pull = costs.pull_seconds(PREFILL, 4000, suffix)
+    for _ in range(60):  # the holder's local prefill: learned 10% slower than the whole pull
+        costs.observe_local(HOLDER, suffix, pull * 1.1)
+    local = costs.local_seconds(HOLDER, suffix, PREFILL)
+    assert pull < local <= pull * 1.25, (pull, local)
+    assert _choose(costs=costs).plan == "decode-local"
+    plan = _choose(LocalLimits(preference=0.0), costs=costs)
+    assert (plan.plan, plan.reason) == ("pull-reuse", "cheaper")
+    # Far slower (twice the pull) is not "a little".
+    for _ in range(60):
+        costs.observe_local(HOLDER, suffix, pull * 2)
+    assert _choose(costs=costs).plan == "pull-reuse"
+
+
 # ---- plan_turn: whether there is anything to reuse -----------------------------------------------
 
 
