@@ -363,6 +363,7 @@ def test_turns_ending_on_a_stop_string_keep_their_kv(
     client = _client(gateway)
     conversation = f"stops-{uuid.uuid4().hex[:8]}"
     messages = _opening("stop strings")
+    held_before = _blocks_held(local_pair)
     previous: TurnResult | None = None
     for turn in range(3):
         if previous is not None:
@@ -382,4 +383,9 @@ def test_turns_ending_on_a_stop_string_keep_their_kv(
         _assert_same_answer(local_pair, got, messages, stop=[stop])
         wait_recorded(gateway, conversation)
         previous = got
+    # What the aborted turns left is a lease like any: released, every block comes back.
     _release(gateway, conversation)
+    deadline = time.monotonic() + 30
+    while _blocks_held(local_pair) > held_before:
+        assert time.monotonic() < deadline, (_blocks_held(local_pair), held_before)
+        time.sleep(0.2)
