@@ -25,6 +25,8 @@ from typing import Any
 
 import orjson
 
+from kvturn.gateway.replies import SseData
+
 #: Message fields that decide what the model sees (ids of tool calls are the engine's random
 #: names that clients echo back, or not: left out, so either way matches).
 _DIGEST_SIZE = 16
@@ -138,32 +140,23 @@ class ReplyCollector:
     """Rebuilds the assistant message a streamed chat reply amounts to, from its SSE chunks
     (content and tool calls), as the client will send it back next turn."""
 
-    __slots__ = ("_tail", "calls", "content", "failed")
+    __slots__ = ("_events", "calls", "content", "failed")
 
     def __init__(self) -> None:
         self.content: list[str] = []
         self.calls: dict[int, dict[str, list[str]]] = {}
         self.failed = False
-        self._tail = b""
+        self._events = SseData()
 
     def feed(self, chunk: bytes) -> None:
         if self.failed:
             return
-        data = self._tail + chunk
-        events = data.split(b"\n\n")
-        self._tail = events.pop()
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]" or not payload:
-                    continue
-                try:
-                    self._delta(orjson.loads(payload))
-                except (orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
-                    self.failed = True
-                    return
+        for payload in self._events.feed(chunk):
+            try:
+                self._delta(orjson.loads(payload))
+            except (orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
+                self.failed = True
+                return
 
     def _delta(self, event: dict[str, Any]) -> None:
         for choice in event.get("choices") or ():

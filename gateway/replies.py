@@ -43,6 +43,29 @@ class Reply:
     stream: ReplyStream | None = None
 
 
+class SseData:
+    """The ``data:`` payloads of a server-sent event stream that arrives in arbitrary chunks
+    (events may span chunks): each complete event's payload, ``[DONE]`` and blank ones left
+    out. What a payload holds (JSON, as vLLM sends it) is the caller's to parse."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        events = (self._tail + chunk).split(b"\n\n")
+        self._tail = events.pop()
+        payloads = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    if payload and payload != b"[DONE]":
+                        payloads.append(payload)
+        return payloads
+
+
 def error_reply(error: GatewayError) -> Reply:
     return Reply(error.status, orjson.dumps(error.body()))
 

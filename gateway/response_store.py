@@ -124,9 +124,6 @@ class MemoryResponseStore:
         items.move_to_end(key)
         return found[0]
 
-    def __len__(self) -> int:
-        return len(self._responses)
-
 
 class RedisResponseStore:
     """In Redis (``redis://host:port/db``): one key per response and per conversation, each

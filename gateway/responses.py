@@ -36,7 +36,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kvturn.gateway.errors import GatewayError, InvalidRequest
-from kvturn.gateway.replies import Reply, ReplyStream
+from kvturn.gateway.replies import Reply, ReplyStream, SseData
 from kvturn.gateway.response_store import ResponseStore
 
 RESPONSES_PATH = "/v1/responses"
@@ -48,8 +48,6 @@ _PASSED_ON = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "cache_salt", "user",
     "prompt_cache_key", "stop", "logit_bias", "top_logprobs",
 )  # fmt: skip
-
-_Tokens = Field(default=None, ge=1, le=2**31 - 1)
 
 
 class ResponseNotFound(GatewayError):
@@ -70,7 +68,7 @@ class _Request(BaseModel):
     stream: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
-    max_output_tokens: StrictInt | None = _Tokens
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31 - 1)
     metadata: dict[str, StrictStr] | None = None
     text: dict[str, Any] | None = None
     background: StrictBool | None = None
@@ -428,7 +426,7 @@ class ResponsesStream:
         self.on_done = on_done
         self.response = _skeleton(t, "in_progress")
         self.sequence = 0
-        self.tail = b""
+        self.events = SseData()
         self.done = False
         self.started = False
         self.failed = False
@@ -471,21 +469,13 @@ class ResponsesStream:
         out.append(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n")
 
     def _feed(self, out: list[bytes], chunk: bytes) -> None:
-        events = (self.tail + chunk).split(b"\n\n")
-        self.tail = events.pop()
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if not payload or payload == b"[DONE]":
-                    continue
-                try:
-                    data = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    continue
-                if not self.failed:
-                    self._chunk(out, data)
+        for payload in self.events.feed(chunk):
+            try:
+                data = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if not self.failed:
+                self._chunk(out, data)
 
     def _chunk(self, out: list[bytes], data: dict[str, Any]) -> None:
         error = data.get("error")

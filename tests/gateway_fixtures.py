@@ -44,6 +44,25 @@ def running_fake_engine() -> Iterator[str]:
         thread.join(5)
 
 
+class ChunkStream:
+    """A :class:`~kvturn.gateway.replies.ReplyStream` that hands out fixed byte chunks, and
+    counts how often it was closed."""
+
+    def __init__(self, *chunks: bytes):
+        self.chunks = list(chunks)
+        self.closed = 0
+
+    @property
+    def at_end(self) -> bool:
+        return not self.chunks
+
+    async def next_chunk(self) -> bytes | None:
+        return self.chunks.pop(0) if self.chunks else None
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
 @dataclass
 class RedisServer:
     """A real ``redis-server`` (Debian's package) of one test: no persistence, loopback."""

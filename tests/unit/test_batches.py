@@ -7,6 +7,7 @@ import pytest
 
 from kvturn.gateway.batches import BatchStream, batched_prompts, merge_bodies, serve_batch
 from kvturn.gateway.replies import Reply
+from tests.gateway_fixtures import ChunkStream
 
 
 def test_only_lists_of_several_prompts_are_batches() -> None:
@@ -41,24 +42,6 @@ def test_bodies_merge_as_one_engine_numbers_a_batch() -> None:
     }  # fmt: skip
 
 
-class _Chunks:
-    """A ReplyStream that hands out fixed byte chunks."""
-
-    def __init__(self, *chunks: bytes):
-        self.chunks = list(chunks)
-        self.closed = False
-
-    @property
-    def at_end(self) -> bool:
-        return not self.chunks
-
-    async def next_chunk(self) -> bytes | None:
-        return self.chunks.pop(0) if self.chunks else None
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
 def _event(data: dict[str, object]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
@@ -76,7 +59,10 @@ async def test_streams_are_relabelled_renumbered_and_end_once() -> None:
     first = _chunk("a", 0, "x") + _chunk("a", 1, "y") + _usage("a", 4) + b"data: [DONE]\n\n"
     second = _chunk("b", 0, "z") + _chunk("b", 1, "w") + _usage("b", 6) + b"data: [DONE]\n\n"
     # Events cut across chunk boundaries, as they arrive off a socket.
-    streams = [_Chunks(first[:30], first[30:]), _Chunks(second[:5], second[5:77], second[77:])]
+    streams = [
+        ChunkStream(first[:30], first[30:]),
+        ChunkStream(second[:5], second[5:77], second[77:]),
+    ]
     merged = BatchStream(list(streams), choices_per_prompt=2)
     out = b""
     while (chunk := await merged.next_chunk()) is not None:
@@ -98,7 +84,7 @@ async def test_streams_are_relabelled_renumbered_and_end_once() -> None:
 
 
 async def test_one_failed_prompt_fails_the_batch_and_closes_the_others() -> None:
-    opened = _Chunks(_chunk("a", 0, "x"))
+    opened = ChunkStream(_chunk("a", 0, "x"))
 
     async def ok() -> Reply:
         return Reply(200, stream=opened)

@@ -28,6 +28,7 @@ from kvturn.gateway.responses import (
     translate,
 )
 from tests.gateway_fixtures import (
+    ChunkStream,
     RedisServer,
     free_port,
     running_fake_engine,
@@ -410,24 +411,6 @@ def test_chained_response_survives_a_gateway_restart_with_redis_state(
             redis_server.start()
 
 
-class _Chunks:
-    """A chat turn's SSE stream, as the turn path hands it on (a ReplyStream)."""
-
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.chunks = list(chunks)
-        self.closed = 0
-
-    @property
-    def at_end(self) -> bool:
-        return not self.chunks
-
-    async def next_chunk(self) -> bytes | None:
-        return self.chunks.pop(0) if self.chunks else None
-
-    async def aclose(self) -> None:
-        self.closed += 1
-
-
 def _sse(*events: dict[str, Any]) -> bytes:
     return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
 
@@ -453,7 +436,7 @@ async def test_a_stream_that_breaks_off_ends_failed_and_is_not_stored() -> None:
     broke = {"error": {"message": "the decode engine's stream broke off", "code": "upstream_error"}}
     # Split mid-event: the translation must reassemble events across chunks.
     raw = _sse(delta) + _sse(broke)
-    inner = _Chunks([raw[:17], raw[17:]])
+    inner = ChunkStream(raw[:17], raw[17:])
     events = await _events(ResponsesStream(inner, t, 0, on_done))
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
@@ -481,7 +464,7 @@ async def test_a_stream_cut_at_max_tokens_is_incomplete_and_stored() -> None:
         )
         + b"data: [DONE]\n\n"
     )
-    events = await _events(ResponsesStream(_Chunks([chunks]), t, 4, on_done))
+    events = await _events(ResponsesStream(ChunkStream(chunks), t, 4, on_done))
     final = events[-1]
     assert final["type"] == "response.incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
