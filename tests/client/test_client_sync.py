@@ -128,12 +128,12 @@ def test_a_stream_pause_starts_when_the_stream_is_exhausted(stub: StubGateway) -
     client = make_client(stub)
     with client.conversation() as conversation:
         stream = ask(client, stream=True)
-        time.sleep(0.2)  # still reading: not a pause
+        time.sleep(1.0)  # still reading: not a pause
         list(stream)  # type: ignore[call-overload]
         time.sleep(0.05)
         ask(client)
     pause = conversation.turns[-1].pause
-    assert pause is not None and 49 <= pause.ms < 300  # not the 200 ms spent reading
+    assert pause is not None and 49 <= pause.ms < 1000  # not the 1 s spent reading
 
 
 def test_a_closed_stream_ends_the_reply(stub: StubGateway) -> None:
@@ -215,15 +215,17 @@ def test_gateway_answers_are_recorded_on_turns(stub: StubGateway) -> None:
 
 
 def test_heartbeats_during_a_long_tool_pause_none_during_a_short_one(stub: StubGateway) -> None:
-    stub.lease_seconds = 0.2  # first beat after ~0.1 s, then every ~0.1 s
+    # Margins of 5x and more on a loaded 2-core machine: first beat after ~0.5 s, then every
+    # ~0.5 s; the short pause is a tenth of that.
+    stub.lease_seconds = 1.0
     client = make_client(stub)
     with client.conversation("beats") as conversation:
         reply = ask(client, tools=TOOLS)
-        time.sleep(0.05)  # short: under half the lease
+        time.sleep(0.05)  # short: a tenth of half the lease
         short_pause_beats = len(stub.heartbeats)
         reply = client.chat.completions.create(model="m", messages=tool_result(reply), tools=TOOLS)
         reply = ask(client, tools=TOOLS)
-        time.sleep(0.45)  # long tool pause
+        time.sleep(2.3)  # long tool pause: beats at ~0.5, 1.0, 1.5, 2.0 s
         long_pause_beats = list(stub.heartbeats)
         ask(client)
         time.sleep(0.05)
@@ -233,7 +235,7 @@ def test_heartbeats_during_a_long_tool_pause_none_during_a_short_one(stub: StubG
     assert all(b.conversation_id == "beats" for b in long_pause_beats)
     assert all(b.body["pause_kind"] == "tool" for b in long_pause_beats)
     first_ms = long_pause_beats[0].body["paused_ms"]
-    assert 90 <= first_ms <= 200, first_ms  # about half the lease
+    assert 450 <= first_ms <= 1000, first_ms  # about half the lease
     assert after_request == len(long_pause_beats)  # the request stopped them
     assert conversation.turns[-1].pause == Pause(
         ms=conversation.turns[-1].pause.ms,  # type: ignore[union-attr]
@@ -242,16 +244,16 @@ def test_heartbeats_during_a_long_tool_pause_none_during_a_short_one(stub: StubG
 
 
 def test_heartbeats_stop_at_the_maximum_pause_and_on_exit(stub: StubGateway) -> None:
-    stub.lease_seconds = 0.1
-    client = make_client(stub, max_pause_seconds=0.22)
+    stub.lease_seconds = 0.5
+    client = make_client(stub, max_pause_seconds=1.1)
     with client.conversation():
         ask(client)
-        time.sleep(0.4)
+        time.sleep(2.0)
         at_max = len(stub.heartbeats)
-    assert 2 <= at_max <= 4  # beats at ~0.05, 0.1, 0.15, 0.2; none after 0.22 s
+    assert 2 <= at_max <= 4  # beats at ~0.25, 0.5, 0.75, 1.0 s; none after 1.1 s
     with client.conversation():
         ask(client)
-    time.sleep(0.15)  # scope left: no beats after exit
+    time.sleep(0.75)  # scope left: no beats after exit
     assert len(stub.heartbeats) == at_max
 
 
@@ -377,14 +379,14 @@ def test_parallel_requests_in_one_conversation(stub: StubGateway) -> None:
 def test_plain_server_headers_are_harmless_and_heartbeats_fall_silent(
     plain_server: StubGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plain_server.lease_seconds = 0.1
-    client = make_client(plain_server, default_lease_seconds=0.1)
+    plain_server.lease_seconds = 0.2
+    client = make_client(plain_server, default_lease_seconds=0.2)
     caplog.set_level(logging.INFO, logger="kvturn.client")
     with client.conversation():
         reply = ask(client, tools=TOOLS)
-        time.sleep(0.3)
+        time.sleep(0.5)  # the first beat is due at ~0.1 s
         client.chat.completions.create(model="m", messages=tool_result(reply), tools=TOOLS)
-        time.sleep(0.3)
+        time.sleep(0.5)
     posts = [r for r in plain_server.requests if "kvturn" in r.path]
     assert len(posts) == 1  # one refused heartbeat, then silence, and no release attempt
     assert client._kvturn.control_available is False
@@ -400,7 +402,7 @@ def test_heartbeat_failures_are_logged_not_raised(caplog: pytest.LogCaptureFixtu
     with client.conversation() as conversation:
         # Pretend a turn happened: begin/finish without the network.
         finish_turn(begin_turn(conversation), tool_calls=True)
-        time.sleep(0.25)
+        time.sleep(0.5)  # the first beat is due at ~0.05 s
     assert conversation.released
     assert any("heartbeat" in r.message for r in caplog.records)
     assert any("release" in r.message for r in caplog.records)
@@ -416,7 +418,7 @@ def test_one_heartbeat_thread_per_client(stub: StubGateway) -> None:
     for scope in scopes:
         scope.__enter__()
         ask(client)
-    time.sleep(0.12)
+    time.sleep(0.3)  # each one's first beat is due at ~0.05 s
     for scope in reversed(scopes):
         scope.__exit__(None, None, None)
     assert {b.conversation_id for b in stub.heartbeats} == {s.id for s in scopes}
@@ -448,7 +450,7 @@ def test_a_conversation_left_open_keeps_beating_until_released(stub: StubGateway
     client = make_client(stub)
     with client.conversation("open", release=False):
         ask(client)
-    time.sleep(0.2)
+    time.sleep(0.5)  # beats every ~0.05 s
     beats = list(stub.heartbeats)
     assert len(beats) >= 2 and {b.body["pause_kind"] for b in beats} == {"user"}
     client.release_conversation("open")
