@@ -21,7 +21,7 @@ from kvturn import control
 from kvturn import headers as h
 from kvturn.gateway.auth import ApiKeys, scoped_key, tenant_salt
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.conversations import ConversationStore
+from kvturn.gateway.conversations import conversation_table
 from kvturn.gateway.errors import (
     BodyTooLarge,
     GatewayError,
@@ -32,7 +32,7 @@ from kvturn.gateway.errors import (
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Pool, check_health_forever
 from kvturn.gateway.replies import Reply, error_reply, send_reply
-from kvturn.gateway.response_store import response_store
+from kvturn.gateway.response_store import StateUnavailable, response_store
 from kvturn.gateway.responses import (
     RESPONSES_PATH,
     Translated,
@@ -61,8 +61,20 @@ class Gateway:
         self.upstream = Upstream(
             config.connect_timeout_s, config.request_timeout_s, config.engine_api_key
         )
-        self.store = ConversationStore(config.max_conversations)
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics = GatewayMetrics()
+
+        def on_state_error(op: str) -> None:
+            metrics.state_errors.labels(op).inc()
+
+        #: The conversation table: in this process, or shared in Redis (``config.state``).
+        self.store = conversation_table(
+            config.state,
+            config.max_conversations,
+            # An entry is kept while a turn may still run and a lease may still be renewed.
+            idle_s=config.request_timeout_s + config.lease_s,
+            on_error=on_state_error,
+            timeout_s=config.state_timeout_s,
+        )
         self.runner = TurnRunner(
             config, self.prefill, self.decode, self.upstream, self.store, self.metrics
         )
@@ -71,7 +83,7 @@ class Gateway:
             config.state,
             config.max_responses,
             config.responses_ttl_s,
-            on_error=lambda op: self.metrics.state_errors.labels(op).inc(),
+            on_error=on_state_error,
         )
         self.models: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
@@ -143,6 +155,7 @@ class Gateway:
         await self.runner.close()
         await self.upstream.close()
         await self.responses.close()
+        await self.store.close()
 
 
 #: How often idle conversations are swept from the table, and at most how many per sweep.
@@ -246,8 +259,10 @@ def create_app(config: GatewayConfig) -> GatewayApp:
 
     async def metrics(request: Request) -> Response:
         # Counted here, at scrape time (O(table)), never per turn.
-        gateway.metrics.live_conversations.set(await gateway.store.live_count())
-        gateway.metrics.conversations.set(len(gateway.store))
+        with contextlib.suppress(StateUnavailable):  # counted as a state error; no gauge
+            entries, live = await gateway.store.counts()
+            gateway.metrics.conversations.set(entries)
+            gateway.metrics.live_conversations.set(live)
         await _scrape_decode_leases(gateway)
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -269,10 +284,14 @@ def create_app(config: GatewayConfig) -> GatewayApp:
                     entry["leases"] = await runner.leases.stats(instance.control_url)
                 engines.append(entry)
         config = gateway.config
+        try:
+            entries, live = await gateway.store.counts()
+        except StateUnavailable:
+            entries = live = None
         body = {
-            "conversations": len(gateway.store),
-            "live_conversations": await gateway.store.live_count(),
-            "implicit_turns_remembered": len(runner.implicit),
+            "conversations": entries,
+            "live_conversations": live,
+            "implicit_turns_remembered": runner.implicit.size(),
             "engines": engines,
             "planner": {
                 "decode_local": config.decode_local,
@@ -298,25 +317,30 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         except ValueError as error:
             return _error(InvalidRequest(f"invalid heartbeat body: {error}"))
         gateway.metrics.heartbeats.inc()
-        conversation = gateway.store.get(
-            scoped_key(request.scope[TENANT_SCOPE_KEY], conversation_id)
-        )
+        key = scoped_key(request.scope[TENANT_SCOPE_KEY], conversation_id)
+        try:
+            conversation = await gateway.store.lookup(key)
+        except StateUnavailable as error:
+            return _error(error)
         if conversation is None:
             answer = control.HeartbeatResponse(conversation_id=conversation_id, known=False)
         else:
-            expires_in_s = None
+            remaining = 0.0
             holder = gateway.decode.get(conversation.holder_url)
-            key = conversation.holder_request_id
-            if holder is not None and holder.control_url is not None and key:
+            lease = conversation.holder_request_id
+            if holder is not None and holder.control_url is not None and lease:
                 # The lease lives on the holder decode: renew it there.
                 expires_in_s = await gateway.runner.leases.renew(
-                    holder.control_url, key, config.lease_s, beat.pause_kind, beat.paused_ms
+                    holder.control_url, lease, config.lease_s, beat.pause_kind, beat.paused_ms
                 )
                 if expires_in_s is None:
                     gateway.metrics.lease_renewals_by["gone"].inc()
                 else:
                     gateway.metrics.lease_renewals_by["renewed"].inc()
-            remaining = gateway.store.renewed(conversation, expires_in_s)
+                try:
+                    remaining = await gateway.store.renewed(key, lease, expires_in_s)
+                except StateUnavailable as error:
+                    return _error(error)
             answer = control.HeartbeatResponse(
                 conversation_id=conversation_id,
                 known=True,
@@ -331,9 +355,12 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             _check_conversation_id(conversation_id)
         except GatewayError as error:
             return _error(error)
-        conversation = gateway.store.remove(
-            scoped_key(request.scope[TENANT_SCOPE_KEY], conversation_id)
-        )
+        try:
+            conversation = await gateway.store.remove(
+                scoped_key(request.scope[TENANT_SCOPE_KEY], conversation_id)
+            )
+        except StateUnavailable as error:
+            return _error(error)
         released = conversation is not None
         if conversation is not None:
             gateway.metrics.releases.inc()

@@ -195,6 +195,7 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "max_responses": (int, "Responses API responses kept in process for chaining (LRU beyond)"),
     "responses_ttl_s": (float, "how long a stored Responses API response is kept, seconds"),
     "state": (str, "stored state: memory (this process) or redis://host:port/db (shared)"),
+    "state_timeout_s": (float, "longest wait on the state store per operation, seconds"),
 }
 
 

@@ -63,6 +63,9 @@ class GatewayConfig:
     #: Where stored state lives: ``None``/``memory`` (this process) or ``redis://host:port/db``
     #: (shared by every gateway process and replica, kept across restarts).
     state: str | None = None
+    #: Longest wait for the state store on one operation: past it (or when Redis cannot be
+    #: reached) a turn recomputes instead of waiting on it.
+    state_timeout_s: float = 0.5
     max_body_bytes: int = 32 * 1024 * 1024
     #: Request body bytes held at once (being read or served), all connections together;
     #: past it, new bodies get a 503 (parsing one costs several times its size in memory).
@@ -116,7 +119,7 @@ class GatewayConfig:
             "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
-            "implicit_conversations": parse_flag, "state": str,
+            "implicit_conversations": parse_flag, "state": str, "state_timeout_s": float,
         }  # fmt: skip
         for name, kind in typed.items():
             value = os.environ.get(f"KVTURN_{name.upper()}")

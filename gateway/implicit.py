@@ -14,6 +14,10 @@ the other recomputes or reuses what still matches. Digests are seeded with the c
 the model and the request's ``cache_salt``, so tenants (and differently salted requests) never
 match each other's turns. Memory is bounded: one entry per
 recent turn, least recently used dropped first.
+
+With ``--state redis://…`` the index lives in Redis beside the conversation table
+(:class:`RedisImplicitIndex`), so a turn finds its conversation whichever gateway worker or
+replica served the previous one.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
 from kvturn.gateway.replies import SseData
+
+if TYPE_CHECKING:
+    from kvturn.gateway.conversations import RedisConversations
 
 #: Message fields that decide what the model sees (ids of tool calls are the engine's random
 #: names that clients echo back, or not: left out, so either way matches).
@@ -109,15 +116,29 @@ def seed(tenant: str, model: Any, cache_salt: Any = None) -> str:
     return f"{tenant}\0{model}\0{cache_salt}"
 
 
+class Index(Protocol):
+    """Digest of a recent turn's messages plus reply → the conversation (its key in the
+    table, its id)."""
+
+    async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
+        """The conversation of the recorded turn that the longest prefix of ``digests`` ends."""
+        ...
+
+    async def record(self, digest: bytes, conversation: tuple[str, str]) -> None: ...
+
+    def size(self) -> int | None:
+        """Turns remembered (``None``: not counted here)."""
+        ...
+
+
 class ImplicitIndex:
-    """Digest of a recent turn's messages plus reply → the conversation (its key in the table,
-    its id). LRU-bounded."""
+    """In this process, LRU-bounded."""
 
     def __init__(self, max_entries: int):
         self._items: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
         self._max = max_entries
 
-    def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
+    async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
         """The conversation of the recorded turn that the longest prefix of ``digests`` ends."""
         for digest in reversed(digests):
             found = self._items.get(digest)
@@ -126,14 +147,53 @@ class ImplicitIndex:
                 return found
         return None
 
-    def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
+    async def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
         self._items[digest] = conversation
         self._items.move_to_end(digest)
         while len(self._items) > self._max:
             self._items.popitem(last=False)
 
-    def __len__(self) -> int:
+    def size(self) -> int | None:
         return len(self._items)
+
+
+class RedisImplicitIndex:
+    """In Redis, beside the conversation table (:class:`~.conversations.RedisConversations`,
+    whose client, expiry and outage reporting it shares): one key per recorded turn
+    (``{prefix}implicit:{digest}``), kept as long as a conversation's entry. One ``MGET`` per
+    match."""
+
+    def __init__(self, table: RedisConversations):
+        self.table = table
+        self._redis = table.redis
+        self.ttl_ms = table.ttl_ms
+        self.prefix = f"{table.prefix}implicit:"
+
+    async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
+        if not digests:
+            return None
+        try:
+            found = await self._redis.mget([self.prefix + d.hex() for d in digests])
+        except self.table.errors as error:
+            raise self.table.failed("implicit_match", error) from None
+        self.table.succeeded()
+        for value in reversed(found):
+            if value is not None:
+                key, conversation_id = orjson.loads(value)
+                return str(key), str(conversation_id)
+        return None
+
+    async def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
+        try:
+            await self._redis.set(
+                self.prefix + digest.hex(), orjson.dumps(list(conversation)), px=self.ttl_ms
+            )
+        except self.table.errors as error:
+            raise self.table.failed("implicit_record", error) from None
+        self.table.succeeded()
+
+    def size(self) -> int | None:
+        return None
 
 
 class ReplyCollector:

@@ -21,10 +21,20 @@ from kvturn import headers as h
 from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.conversations import Conversation, ConversationStore, salt_digest
+from kvturn.gateway.conversations import (
+    Conversation,
+    ConversationTable,
+    Held,
+    Recorded,
+    RedisConversations,
+    Taken,
+    salt_digest,
+)
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
 from kvturn.gateway.implicit import (
     ImplicitIndex,
+    Index,
+    RedisImplicitIndex,
     ReplyCollector,
     extend,
     message_digests,
@@ -43,6 +53,7 @@ from kvturn.gateway.planner import (
 )
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
+from kvturn.gateway.response_store import StateUnavailable
 from kvturn.gateway.tokens import CHAT_PATH, prompt_token_ids
 from kvturn.gateway.upstream import (
     StreamResponse,
@@ -96,6 +107,8 @@ class Turn:
     #: For a turn of an implicit conversation: the digest of its messages, which its reply
     #: extends into the key the next turn is found by.
     implicit: bytes | None = None
+    #: The conversation table could not be reached: the turn recomputes, keeping nothing.
+    state_unavailable: bool = False
 
     @property
     def stream(self) -> bool:
@@ -142,7 +155,7 @@ class TurnRunner:
         prefill: Pool,
         decode: Pool,
         upstream: Upstream,
-        store: ConversationStore,
+        store: ConversationTable,
         metrics: GatewayMetrics,
     ):
         self.config = config
@@ -160,7 +173,11 @@ class TurnRunner:
             stall_weight=config.local_stall_weight,
             preference=config.local_preference,
         )
-        self.implicit = ImplicitIndex(config.max_conversations)
+        self.implicit: Index
+        if isinstance(store, RedisConversations):
+            self.implicit = RedisImplicitIndex(store)
+        else:
+            self.implicit = ImplicitIndex(config.max_conversations)
         self._background: set[asyncio.Task[None]] = set()
 
     async def run(self, turn: Turn) -> Reply:
@@ -177,25 +194,31 @@ class TurnRunner:
                 stream=turn.stream,
                 choices_per_prompt=int(turn.body.get("n") or 1),
             )
-        if turn.conversation_id:
-            conversation: Conversation | None = self.store.get_or_create(
-                scoped_key(turn.tenant, turn.conversation_id), turn.conversation_id
-            )
-        elif self.config.implicit_conversations:
-            conversation = self._implicit_conversation(turn)
+        taken: Taken | None = None
+        try:
+            named: tuple[str, str] | None = None
+            if turn.conversation_id:
+                named = scoped_key(turn.tenant, turn.conversation_id), turn.conversation_id
+            elif self.config.implicit_conversations:
+                named = await self._implicit_conversation(turn)
+            if named is not None:
+                key, conversation_id = named
+                # The previous turn's KV location may still be being recorded: wait briefly.
+                await self.store.settled(key, self.config.publish_wait_s)
+                taken = await self.store.take(key, conversation_id, turn.turn_id)
+        except StateUnavailable:
+            # Nothing is known, nothing will be recorded: the turn recomputes and its decode
+            # keeps no KV (no conversation to lease it to).
+            turn.state_unavailable = True
+            turn.implicit = None
         else:
-            conversation = None
-        if conversation is not None and self.store.note_turn(conversation, turn.turn_id):
-            self.metrics.turn_retries.inc()
-        if conversation is not None and conversation.settling is not None:
-            # The previous turn's KV location is still being recorded: wait briefly for it.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(conversation.settling.wait(), self.config.publish_wait_s)
-        return await self._serve(turn, conversation)
+            if taken is not None and taken.retry:
+                self.metrics.turn_retries.inc()
+        return await self._serve(turn, taken)
 
-    def _implicit_conversation(self, turn: Turn) -> Conversation | None:
-        """The conversation a chat request without an id continues, found by its messages
-        (see :mod:`.implicit`), or a new one that its next turn can find."""
+    async def _implicit_conversation(self, turn: Turn) -> tuple[str, str] | None:
+        """The conversation (key, id) a chat request without an id continues, found by its
+        messages (see :mod:`.implicit`), or a new one that its next turn can find."""
         messages = turn.body.get("messages")
         if turn.path != CHAT_PATH or not isinstance(messages, list) or not messages:
             return None
@@ -204,7 +227,7 @@ class TurnRunner:
         start = seed(turn.tenant, turn.body.get("model"), turn.body.get("cache_salt"))
         digests = message_digests(start, messages)
         turn.implicit = digests[-1]
-        found = self.implicit.match(digests)
+        found = await self.implicit.match(digests)
         if found is not None:
             key, conversation_id = found
             self.metrics.implicit_by["matched"].inc()
@@ -212,11 +235,12 @@ class TurnRunner:
             conversation_id = f"implicit-{os.urandom(12).hex()}"
             key = scoped_key(turn.tenant, conversation_id)
             self.metrics.implicit_by["new"].inc()
-        return self.store.get_or_create(key, conversation_id)
+        return key, conversation_id
 
-    async def _serve(self, turn: Turn, conversation: Conversation | None) -> Reply:
+    async def _serve(self, turn: Turn, taken: Taken | None) -> Reply:
         """Plan; then the holder decode alone, or prefill then decode; once more from
         scratch if decode fails before replying."""
+        conversation = taken.conversation if taken is not None else None
         self._wake_decode(conversation)
         reuse = await self._plan(turn, conversation)
         failed: Instance | None = None
@@ -225,7 +249,7 @@ class TurnRunner:
             local = PrefillResult(None, {}, reuse.prompt_tokens, reuse.reused_tokens, reuse.plan)
             try:
                 return await self._decode(
-                    turn, conversation, local, target=reuse.holder, supersedes=reuse.previous_key
+                    turn, taken, local, target=reuse.holder, supersedes=reuse.previous_key
                 )
             except DecodeFailed as failure:
                 failed = self._decode_failed(failure)
@@ -237,7 +261,7 @@ class TurnRunner:
             if isinstance(prefilled, Reply):
                 return prefilled
             try:
-                return await self._decode(turn, conversation, prefilled, avoid=failed)
+                return await self._decode(turn, taken, prefilled, avoid=failed)
             except DecodeFailed as failure:
                 # Decode died, or failed its pull from prefill, before replying: serve the turn
                 # again from scratch, on another decode if there is one.
@@ -271,7 +295,12 @@ class TurnRunner:
         if target.in_flight == 0 and target.control_url is not None:
             self._background_task(self.leases.wake(target.control_url))
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 2.0) -> None:
+        """Let background work (recording where replies left their KV, freeing leases) finish
+        for up to ``grace_s``: with a shared table, the next turn may come to another replica
+        or to this gateway's successor. Then cancel what is left."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=grace_s)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -290,17 +319,17 @@ class TurnRunner:
             threshold_tokens=self.config.reuse_threshold_tokens,
             salt=salt_digest(turn.body.get("cache_salt")),
         )
+        if turn.state_unavailable:
+            plan = TurnPlan("recompute", "state-unavailable")
         if conversation is None or conversation.holder_url is None:
             self.metrics.fallbacks_by[plan.reason].inc()
             return Reuse(plan)
+        # The table gave this turn alone the KV (decode frees retained blocks after one read:
+        # a parallel turn of the same conversation found nothing and recomputes).
         key = conversation.holder_request_id
         held = conversation.held_tokens
         digest = conversation.held_digest
         digest_tokens = conversation.held_digest_tokens
-        # Decode frees retained blocks after one read: take them off the table for this turn
-        # before any await, so a parallel turn of the same conversation recomputes instead of
-        # reading blocks that may already hold something else.
-        self.store.forget_kv(conversation)
         if holder is None or holder.control_url is None or not key:
             self.metrics.fallbacks_by[plan.reason].inc()
             return Reuse(plan)
@@ -453,7 +482,7 @@ class TurnRunner:
     async def _decode(
         self,
         turn: Turn,
-        conversation: Conversation | None,
+        taken: Taken | None,
         prefilled: PrefillResult,
         *,
         target: Instance | None = None,
@@ -463,6 +492,7 @@ class TurnRunner:
         """Decode's reply: after prefill (on a decode other than ``avoid``, if there is one),
         or (``target``, a ``decode-local`` turn) on the holder alone, whose new lease then
         ``supersedes`` the previous one."""
+        conversation = taken.conversation if taken is not None else None
         prefer = conversation.holder_url if conversation else None
         if target is not None:
             instance = target
@@ -490,13 +520,12 @@ class TurnRunner:
             h.REUSED_TOKENS: str(prefilled.reused_tokens),
         }
         if conversation is not None:
-            conversation.turns += 1
             response_headers[h.CONVERSATION_ID] = conversation.conversation_id
             response_headers[h.LEASE_SECONDS] = f"{self.config.lease_s:g}"
         url = instance.url + turn.path
         upstream_headers = {"X-Request-Id": request_id}
         after = _After(
-            conversation,
+            taken,
             instance,
             request_id,
             supersedes,
@@ -515,7 +544,7 @@ class TurnRunner:
                 instance.in_flight -= 1
             if response.status >= 500:
                 raise DecodeFailed(instance.url, unreachable=False)
-            _mark_settling(conversation)
+            self._mark_settling(after)
             if response.status != 200:
                 after.holder = None
                 self._settle_later(after)
@@ -549,7 +578,7 @@ class TurnRunner:
             await upstream.aclose()
             instance.in_flight -= 1
             raise DecodeFailed(instance.url, unreachable=False)
-        _mark_settling(conversation)
+        self._mark_settling(after)
         if upstream.status != 200:
             try:
                 payload = await upstream.read()
@@ -592,23 +621,35 @@ class TurnRunner:
 
     # ---- after the reply --------------------------------------------------------------------
 
+    def _mark_settling(self, after: _After) -> None:
+        """From now until the reply is recorded, the conversation's next turn waits for it
+        (a while). Off the response path: :meth:`_settle` waits for it before recording."""
+        if after.taken is not None:
+            key, turn = after.taken.conversation.key, after.taken.turn
+            after.marking = asyncio.get_running_loop().create_task(self.store.settling(key, turn))
+
     def _settle_later(self, after: _After) -> None:
         """Record where the conversation's KV now lives, off the response path."""
-        if after.conversation is None:
-            return
-        if after.implicit is not None and after.reply is not None:
-            # The next turn of this conversation starts with these messages and this reply.
-            self.implicit.record(
-                extend(after.implicit, after.reply),
-                (after.conversation.key, after.conversation.conversation_id),
-            )
-        self._background_task(self._settle(after))
+        if after.taken is not None:
+            self._background_task(self._settle(after))
 
     async def _settle(self, after: _After) -> None:
-        conversation, holder, request_id = after.conversation, after.holder, after.request_id
-        assert conversation is not None
-        event = conversation.settling
+        taken, holder, request_id = after.taken, after.holder, after.request_id
+        assert taken is not None
+        held: Held | None = None
         try:
+            if after.implicit is not None and after.reply is not None:
+                # The next turn of this conversation starts with these messages and this
+                # reply: first thing, as the client may send it any moment now.
+                conversation = taken.conversation
+                with contextlib.suppress(StateUnavailable):
+                    await self.implicit.record(
+                        extend(after.implicit, after.reply),
+                        (conversation.key, conversation.conversation_id),
+                    )
+            if after.marking is not None:
+                with contextlib.suppress(StateUnavailable):
+                    await after.marking
             retained = None
             if holder is not None and holder.control_url is not None:
                 retained = await self.leases.published(
@@ -629,13 +670,7 @@ class TurnRunner:
                 # A decode-local turn that left nothing behind: its new lease would have
                 # superseded the previous one; free that now instead.
                 await self.leases.release(target, after.supersedes)
-            if retained is None or holder is None:
-                self.store.forget_kv(conversation)
-            elif self.store.peek(conversation.key) is not conversation:
-                # Released (or forgotten) while this turn ran: nobody will come back for it.
-                assert holder.control_url is not None
-                await self.leases.release(holder.control_url, request_id)
-            else:
+            if retained is not None and holder is not None:
                 holder.block_size = int(retained.get(BLOCK_SIZE_KEY) or holder.block_size)
                 holder.kv_bytes_per_token = int(
                     retained.get(KV_BYTES_PER_TOKEN_KEY) or holder.kv_bytes_per_token
@@ -645,8 +680,7 @@ class TurnRunner:
                 # not come back as the same tokens; the cache still serves what matches.)
                 digests = retained.get(PREFIX_DIGESTS_KEY) or []
                 chunks = min(len(digests), after.prompt_tokens // DIGEST_CHUNK_TOKENS)
-                self.store.record_retained(
-                    conversation,
+                held = Held(
                     holder.url,
                     request_id,
                     held_tokens=int(retained.get("remote_num_tokens") or 0),
@@ -656,17 +690,36 @@ class TurnRunner:
                     held_salt=after.salt,
                 )
         finally:
-            if event is not None:
-                event.set()
-            if conversation.settling is event:
-                conversation.settling = None
+            # Always recorded, KV or none: the mark of a reply under way comes off with it.
+            await self._record(taken, held)
+
+    async def _record(self, taken: Taken, held: Held | None) -> None:
+        """Record ``held`` as the conversation's KV; free whatever nobody can come back for:
+        this turn's KV if a newer turn recorded first, or the conversation was released (or
+        the table is unreachable), and the older KV this record replaces."""
+        conversation = taken.conversation
+        try:
+            recorded = await self.store.record(
+                conversation.key, conversation.epoch, taken.turn, held
+            )
+        except StateUnavailable:
+            recorded = Recorded(held is None)
+        if held is not None and not recorded.kept:
+            self._release_url_later(held.holder_url, held.request_id)
+        if recorded.replaced is not None:
+            self._release_url_later(*recorded.replaced)
+
+    def _release_url_later(self, holder_url: str, request_id: str) -> None:
+        holder = self.decode.get(holder_url)
+        if holder is not None:
+            self._release_later(holder, request_id)
 
 
 @dataclass(slots=True)
 class _After:
     """What the gateway records once a turn's reply is over."""
 
-    conversation: Conversation | None
+    taken: Taken | None
     #: The decode that served the turn and may retain its KV (``None``: it retains nothing).
     holder: Instance | None
     request_id: str
@@ -682,6 +735,8 @@ class _After:
     target_control_url: str | None = None
     #: The reply did not reach its end (the client left, or decode's stream broke off).
     incomplete: bool = False
+    #: The table being told that the reply is under way.
+    marking: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         if self.holder is not None:
@@ -770,12 +825,6 @@ class _Relay:
         elif self.collector is not None:
             self.after.reply = self.collector.message()
         self.runner._settle_later(self.after)
-
-
-def _mark_settling(conversation: Conversation | None) -> None:
-    """From now until the reply is recorded, the conversation's next turn waits for it."""
-    if conversation is not None:
-        conversation.settling = asyncio.Event()
 
 
 def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

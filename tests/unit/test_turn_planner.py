@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import pytest
 
-from kvturn.gateway.conversations import ConversationStore
+from kvturn.gateway.conversations import ConversationStore, RedisConversations
 from kvturn.gateway.implicit import (
     ImplicitIndex,
+    RedisImplicitIndex,
     ReplyCollector,
     extend,
     message_digests,
@@ -26,8 +30,17 @@ from kvturn.gateway.planner import (
     plan_turn,
 )
 from kvturn.kv_params import last_prefix_digest, prefix_digests
+from tests.gateway_fixtures import RedisServer, running_redis
 
 HOLDER = "http://decode-0"
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with running_redis() as server:
+        yield server
+
+
 PREFILL = "http://prefill-0"
 
 
@@ -234,11 +247,18 @@ CALL = {
 }
 
 
-def test_a_resent_history_finds_its_conversation_whatever_the_client_reformatted() -> None:
-    index = ImplicitIndex(100)
+@pytest.mark.parametrize("where", ["memory", "redis"])
+async def test_a_resent_history_finds_its_conversation_whatever_the_client_reformatted(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    index: Any = ImplicitIndex(100)
+    if where == "redis":
+        server = request.getfixturevalue("redis_server")
+        table = RedisConversations(server.url, idle_s=60, prefix=f"t{uuid.uuid4().hex}:")
+        index = RedisImplicitIndex(table)
     s = seed("tenant", "tiny")
     turn1 = [SYSTEM, USER]
-    index.record(extend(message_digests(s, turn1)[-1], CALL), ("key-1", "implicit-1"))
+    await index.record(extend(message_digests(s, turn1)[-1], CALL), ("key-1", "implicit-1"))
     # The framework echoes the reply back with another call id, "" for None, the arguments
     # re-serialised, and SDK-only fields.
     echoed = {
@@ -254,28 +274,30 @@ def test_a_resent_history_finds_its_conversation_whatever_the_client_reformatted
         ],
     }
     turn2 = [*turn1, echoed, {"role": "tool", "tool_call_id": "call_other", "content": "22C"}]
-    assert index.match(message_digests(s, turn2)) == ("key-1", "implicit-1")
+    assert await index.match(message_digests(s, turn2)) == ("key-1", "implicit-1")
     # Another tenant, another model, or a changed message: no match.
-    assert index.match(message_digests(seed("other", "tiny"), turn2)) is None
-    assert index.match(message_digests(seed("tenant", "big"), turn2)) is None
+    assert await index.match(message_digests(seed("other", "tiny"), turn2)) is None
+    assert await index.match(message_digests(seed("tenant", "big"), turn2)) is None
     changed = [SYSTEM, {"role": "user", "content": "Weather in Rome?"}, *turn2[2:]]
-    assert index.match(message_digests(s, changed)) is None
+    assert await index.match(message_digests(s, changed)) is None
+    if where == "redis":
+        await table.close()
 
 
-def test_branches_of_a_conversation_both_find_it_and_the_index_is_bounded() -> None:
+async def test_branches_of_a_conversation_both_find_it_and_the_index_is_bounded() -> None:
     index = ImplicitIndex(3)
     s = seed("", "tiny")
     reply = {"role": "assistant", "content": "Hello."}
     base = [USER]
-    index.record(extend(message_digests(s, base)[-1], reply), ("k", "c"))
+    await index.record(extend(message_digests(s, base)[-1], reply), ("k", "c"))
     left = [*base, reply, {"role": "user", "content": "left"}]
     right = [*base, reply, {"role": "user", "content": "right"}]
-    assert index.match(message_digests(s, left)) == ("k", "c")
-    assert index.match(message_digests(s, right)) == ("k", "c")
+    assert await index.match(message_digests(s, left)) == ("k", "c")
+    assert await index.match(message_digests(s, right)) == ("k", "c")
     for i in range(3):
-        index.record(bytes([i]) * 16, (f"k{i}", f"c{i}"))
-    assert len(index) == 3
-    assert index.match(message_digests(s, left)) is None  # the oldest entry went
+        await index.record(bytes([i]) * 16, (f"k{i}", f"c{i}"))
+    assert index.size() == 3
+    assert await index.match(message_digests(s, left)) is None  # the oldest entry went
 
 
 def test_reply_collector_rebuilds_a_streamed_reply() -> None:
@@ -337,7 +359,7 @@ def test_reply_collector_rebuilds_a_streamed_reply() -> None:
     assert reply_message({"choices": []}) is None
 
 
-def test_a_changed_cache_salt_never_reuses() -> None:
+async def test_a_changed_cache_salt_never_reuses() -> None:
     from kvturn.gateway.conversations import salt_digest
 
     store = ConversationStore(10, clock=Clock())
@@ -358,7 +380,7 @@ def test_a_changed_cache_salt_never_reuses() -> None:
     # Implicit conversations: another salt is another conversation.
     index = ImplicitIndex(10)
     turn = [USER, {"role": "assistant", "content": "Sunny."}]
-    index.record(message_digests(seed("", "tiny", "alpha"), turn)[-1], ("k", "c"))
+    await index.record(message_digests(seed("", "tiny", "alpha"), turn)[-1], ("k", "c"))
     resent = [*turn, {"role": "user", "content": "And tomorrow?"}]
-    assert index.match(message_digests(seed("", "tiny", "alpha"), resent)) == ("k", "c")
-    assert index.match(message_digests(seed("", "tiny", "beta"), resent)) is None
+    assert await index.match(message_digests(seed("", "tiny", "alpha"), resent)) == ("k", "c")
+    assert await index.match(message_digests(seed("", "tiny", "beta"), resent)) is None

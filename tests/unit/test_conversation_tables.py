@@ -1,0 +1,250 @@
+"""The conversation table's contract, for both implementations: in process and a real Redis.
+
+What must hold across gateway replicas: a turn takes the KV off the table for itself alone;
+a record is kept only if no newer turn recorded first and the entry is the one the turn
+started in; the record replacing older KV says so (someone must free it); a Redis outage
+is an error the turn path can recompute on, never a hang or a wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from kvturn.gateway.conversations import (
+    ConversationStore,
+    ConversationTable,
+    Held,
+    RedisConversations,
+)
+from kvturn.gateway.response_store import StateUnavailable
+from tests.gateway_fixtures import RedisServer, free_port, running_redis
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with running_redis() as server:
+        yield server
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="function")
+async def table(request: pytest.FixtureRequest) -> AsyncIterator[tuple[ConversationTable, Clock]]:
+    clock = Clock()
+    made: Any
+    if request.param == "memory":
+        made = ConversationStore(100, clock=clock)
+    else:
+        server = request.getfixturevalue("redis_server")
+        made = RedisConversations(
+            server.url, idle_s=600, prefix=f"t{uuid.uuid4().hex}:", clock=clock
+        )
+    try:
+        yield made, clock
+    finally:
+        await made.close()
+
+
+def _held(request_id: str, tokens: int = 4000, lease_s: float = 30.0) -> Held:
+    return Held(
+        "http://decode-1",
+        request_id,
+        held_tokens=tokens,
+        lease_expires_in_s=lease_s,
+        held_digest="ab" * 12,
+        held_digest_tokens=256,
+        held_salt=b"\x01" * 8,
+    )
+
+
+async def test_a_turn_takes_the_kv_for_itself_alone(table: tuple[ConversationTable, Clock]) -> None:
+    store, clock = table
+    first = await store.take("k", "conv", "turn-1")
+    assert (first.turn, first.retry, first.conversation.holder_url) == (1, False, None)
+    assert first.conversation.conversation_id == "conv"
+    recorded = await store.record("k", first.conversation.epoch, first.turn, _held("r1"))
+    assert recorded.kept and recorded.replaced is None
+
+    second = await store.take("k", "conv", "turn-2")
+    held = second.conversation
+    assert second.turn == 2
+    assert (held.holder_url, held.holder_request_id, held.held_tokens) == (
+        "http://decode-1", "r1", 4000
+    )  # fmt: skip
+    assert (held.held_digest, held.held_digest_tokens, held.held_salt) == (
+        "ab" * 12, 256, b"\x01" * 8
+    )  # fmt: skip
+    assert held.lease_expires_at == pytest.approx(clock.now + 30)
+    # A parallel turn (another replica) finds nothing to pull: decode frees after one read.
+    parallel = await store.take("k", "conv", "turn-3")
+    assert parallel.turn == 3 and parallel.conversation.holder_url is None
+
+
+async def test_parallel_takes_never_share_the_kv(table: tuple[ConversationTable, Clock]) -> None:
+    store, _ = table
+    first = await store.take("k", "conv", None)
+    await store.record("k", first.conversation.epoch, first.turn, _held("r1"))
+    takes = await asyncio.gather(*(store.take("k", "conv", None) for _ in range(20)))
+    holders = [t for t in takes if t.conversation.holder_request_id == "r1"]
+    assert len(holders) == 1
+    assert sorted(t.turn for t in takes) == list(range(2, 22))
+
+
+async def test_a_record_older_than_a_recorded_turn_is_refused(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    store, _ = table
+    first = await store.take("k", "conv", None)
+    older = await store.take("k", "conv", None)
+    newer = await store.take("k", "conv", None)
+    epoch = first.conversation.epoch
+    assert (await store.record("k", epoch, newer.turn, _held("new"))).kept
+    # The older turn ended last: its KV must not replace the newer one's (the caller frees it).
+    refused = await store.record("k", epoch, older.turn, _held("old"))
+    assert not refused.kept and refused.replaced is None
+    assert (await store.take("k", "conv", None)).conversation.holder_request_id == "new"
+
+
+async def test_a_record_replacing_unread_kv_names_it(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    store, _ = table
+    a = await store.take("k", "conv", None)
+    b = await store.take("k", "conv", None)  # began before a recorded: took nothing
+    epoch = a.conversation.epoch
+    assert (await store.record("k", epoch, a.turn, _held("ra"))).replaced is None
+    replaced = await store.record("k", epoch, b.turn, _held("rb"))
+    assert replaced.kept and replaced.replaced == ("http://decode-1", "ra")
+
+
+async def test_a_turn_begun_before_a_release_records_nothing_after_it(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    store, _ = table
+    before = await store.take("k", "conv", None)
+    removed = await store.remove("k")
+    assert removed is not None and removed.conversation_id == "conv"
+    again = await store.take("k", "conv", None)  # the same id, a new conversation
+    assert again.conversation.epoch != before.conversation.epoch
+    late = await store.record("k", before.conversation.epoch, before.turn, _held("late"))
+    assert not late.kept
+    assert (await store.lookup("k")) is not None
+    assert (await store.lookup("k")).holder_url is None  # type: ignore[union-attr]
+    assert await store.remove("missing") is None
+    # Nothing held: nothing for the caller to free, whatever became of the entry.
+    assert (await store.record("missing", 7, 1, None)).kept
+
+
+async def test_retries_heartbeats_and_renewals(table: tuple[ConversationTable, Clock]) -> None:
+    store, clock = table
+    first = await store.take("k", "conv", "t1")
+    assert (await store.take("k", "conv", "t1")).retry  # the SDK resent the same turn
+    assert not (await store.take("k", "conv", "t2")).retry
+    assert not (await store.take("k", "conv", None)).retry
+    third = await store.take("k", "conv", None)
+    await store.record("k", first.conversation.epoch, third.turn, _held("r5", lease_s=10))
+    clock.now += 8
+    seen = await store.lookup("k")
+    assert seen is not None and seen.holder_request_id == "r5" and seen.retries == 1
+    assert seen.heartbeats == 1
+    assert await store.renewed("k", "r5", 30.0) == 30.0
+    assert (await store.lookup("k")).lease_expires_at == pytest.approx(clock.now + 30)  # type: ignore[union-attr]
+    # A renewal for a lease a turn has taken meanwhile changes nothing.
+    assert await store.renewed("k", "other", 99.0) == 0.0
+    # The holder has no lease any more: the KV is forgotten.
+    assert await store.renewed("k", "r5", None) == 0.0
+    assert (await store.lookup("k")).holder_url is None  # type: ignore[union-attr]
+
+
+async def test_counts_of_entries_and_live_leases(table: tuple[ConversationTable, Clock]) -> None:
+    store, clock = table
+    for i in range(3):
+        taken = await store.take(f"k{i}", f"c{i}", None)
+        if i:
+            await store.record(
+                f"k{i}", taken.conversation.epoch, taken.turn, _held(f"r{i}", lease_s=10 * i)
+            )
+    assert await store.counts() == (3, 2)
+    clock.now += 15
+    assert await store.counts() == (3, 1)  # k1's lease lapsed
+    await store.remove("k2")
+    assert await store.counts() == (2, 0)
+
+
+async def test_a_next_turn_waits_for_a_reply_under_way_and_no_longer(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    store, _ = table
+    first = await store.take("k", "conv", None)
+    await store.settling("k", first.turn)
+    loop = asyncio.get_running_loop()
+
+    async def record_soon() -> None:
+        await asyncio.sleep(0.1)
+        await store.record("k", first.conversation.epoch, first.turn, _held("r1"))
+
+    recording = asyncio.create_task(record_soon())
+    started = loop.time()
+    await store.settled("k", timeout_s=5.0)
+    waited = loop.time() - started
+    await recording
+    assert 0.05 <= waited < 4.0, waited  # until the record, not the timeout
+    assert (await store.take("k", "conv", None)).conversation.holder_request_id == "r1"
+    # A reply whose record never comes (its gateway died) holds the next turn up to the
+    # timeout only.
+    second = await store.take("k", "conv", None)
+    await store.settling("k", second.turn)
+    started = loop.time()
+    await store.settled("k", timeout_s=0.2)
+    assert loop.time() - started < 4.0
+    await store.settled("unknown", timeout_s=5.0)  # nothing under way: no wait
+
+
+async def test_redis_outage_raises_state_unavailable_quickly() -> None:
+    failed: list[str] = []
+    store = RedisConversations(
+        f"redis://127.0.0.1:{free_port()}/0", idle_s=60, on_error=failed.append
+    )
+    try:
+        for call in (
+            store.take("k", "c", None),
+            store.record("k", 7, 1, _held("r")),
+            store.lookup("k"),
+            store.renewed("k", "r", 1.0),
+            store.remove("k"),
+            store.counts(),
+            store.settled("k", 1.0),
+            store.settling("k", 1),
+        ):
+            with pytest.raises(StateUnavailable):
+                await asyncio.wait_for(call, 5)
+        assert failed == [
+            "take", "record", "lookup", "renewed", "remove", "counts", "settled", "settling"
+        ]  # fmt: skip
+    finally:
+        await store.close()
+
+
+async def test_redis_entries_expire_by_themselves(redis_server: RedisServer) -> None:
+    store = RedisConversations(redis_server.url, idle_s=0.3, prefix=f"t{uuid.uuid4().hex}:")
+    try:
+        taken = await store.take("k", "conv", None)
+        await store.record("k", taken.conversation.epoch, taken.turn, _held("r1", lease_s=0.1))
+        assert await store.lookup("k") is not None
+        await asyncio.sleep(0.6)
+        assert await store.lookup("k") is None
+        assert await store.counts() == (0, 0)
+    finally:
+        await store.close()
