@@ -120,7 +120,14 @@ def cmd_up(args: argparse.Namespace) -> int:
                 reuse_threshold_tokens=args.recompute_threshold,
                 state=args.state,
             )
-            gateway = GatewayThread(config, port=args.port).start()
+            if args.gateway_workers > 1:
+                from kvturn.gateway.server import GatewayWorkers
+
+                gateway = GatewayWorkers(
+                    config, "127.0.0.1", args.port, args.gateway_workers
+                ).start()
+            else:
+                gateway = GatewayThread(config, port=args.port).start()
         state: dict[str, object] = {
             "model": served_name,
             "model_path": str(model),
@@ -145,6 +152,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"kvturn: gateway  {gateway.url}/v1  (point an OpenAI client here)", flush=True)
         print("kvturn: ready; Ctrl-C stops everything", flush=True)
         while True:
+            watch = getattr(gateway, "watch", None)  # gateway workers: restart a dead one
+            if watch is not None:
+                watch()
             for engine in deployment.engines:
                 code = engine.exited()
                 if code is not None:
@@ -209,7 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "can reach it could use and end every conversation); set KVTURN_API_KEYS or "
             "KVTURN_API_KEYS_FILE, or pass --allow-open"
         )
-    serve(config, host=host, port=port)
+    serve(config, host=host, port=port, workers=args.workers)
     return 0
 
 
@@ -285,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait")
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.add_argument("--no-gateway", action="store_true", help="start the engines only")
+    up.add_argument(
+        "--gateway-workers", type=int, default=1,
+        help="gateway processes on the port (share state with --state redis://…)",
+    )  # fmt: skip
     up.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
     up.add_argument(
         "--state", default=None,
@@ -305,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     srv.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    srv.add_argument(
+        "--workers", type=int, default=1,
+        help="gateway processes on the port (share state with --state redis://…)",
+    )  # fmt: skip
     srv.add_argument(
         "--allow-open", action="store_true",
         help="listen on a non-loopback address without API keys (anyone may call)",

@@ -490,8 +490,11 @@ class HttpServer:
         *,
         keep_alive_s: float = 60.0,
         max_head_bytes: int = 64 * 1024,
+        reuse_port: bool = False,
     ):
         self.app = app
+        #: Listen with ``SO_REUSEPORT``: several worker processes share the port.
+        self.reuse_port = reuse_port
         self.host = host
         self.port = port
         self.keep_alive_s = keep_alive_s
@@ -511,7 +514,11 @@ class HttpServer:
         await self.app.gateway.start()
         try:
             self._server = await self.loop.create_server(
-                lambda: _Connection(self), self.host, self.port, backlog=2048
+                lambda: _Connection(self),
+                self.host,
+                self.port,
+                backlog=2048,
+                reuse_port=self.reuse_port or None,
             )
         except OSError:
             await self.app.gateway.stop()

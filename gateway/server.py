@@ -1,11 +1,24 @@
-"""Run the gateway (:mod:`.http_server`) in the foreground or on a background thread."""
+"""Run the gateway (:mod:`.http_server`) in the foreground, on a background thread, or as
+several worker processes on one port.
+
+Workers (``kvturn serve --workers N``): N processes, each a whole gateway listening on the
+same port with ``SO_REUSEPORT`` (the kernel spreads connections across them), started and
+watched by one supervisor that restarts a worker that dies and stops them all on SIGINT or
+SIGTERM. Any turn is answered correctly by whichever worker gets it; with ``--state
+redis://…`` every worker also finds every conversation's KV (in process, each has its own
+table, and a turn reuses only where the same worker served the previous one).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
 import signal
 import threading
+import time
+from typing import Any
 
 import uvloop
 
@@ -16,29 +29,142 @@ from kvturn.gateway.http_server import HttpServer
 logger = logging.getLogger("kvturn.gateway")
 
 
-def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve in the foreground until SIGINT/SIGTERM; in-flight requests get to finish."""
+def _configure_logging() -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
 
-    async def main() -> None:
-        server = HttpServer(create_app(config), host, port)
-        try:
-            await server.start()
-        except OSError as error:
-            raise SystemExit(f"kvturn serve: cannot listen on {host}:{port}: {error}") from None
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        logger.info("kvturn gateway listening on http://%s:%d", host, server.port)
-        await stop.wait()
-        logger.info("kvturn gateway stopping")
-        await server.stop()
 
-    uvloop.run(main())
+def serve(
+    config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, workers: int = 1
+) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM; in-flight requests get to finish."""
+    _configure_logging()
+    if workers > 1:
+        pool = GatewayWorkers(config, host, port, workers)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        try:
+            pool.start()
+        except RuntimeError as error:
+            raise SystemExit(f"kvturn serve: {error}") from None
+        try:
+            while not stop.wait(0.5):
+                pool.watch()
+        finally:
+            pool.stop()
+        return
+    uvloop.run(_serve_until_signalled(config, host, port, reuse_port=False))
+
+
+async def _serve_until_signalled(
+    config: GatewayConfig, host: str, port: int, *, reuse_port: bool, ready: Any = None
+) -> None:
+    server = HttpServer(create_app(config), host, port, reuse_port=reuse_port)
+    try:
+        await server.start()
+    except OSError as error:
+        if ready is not None:
+            ready.put(("error", os.getpid(), str(error)))
+        raise SystemExit(f"kvturn serve: cannot listen on {host}:{port}: {error}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("kvturn gateway listening on http://%s:%d (pid %d)", host, server.port, os.getpid())
+    if ready is not None:
+        ready.put(("ready", os.getpid(), ""))
+    await stop.wait()
+    logger.info("kvturn gateway stopping")
+    await server.stop()
+
+
+def _worker_main(config: GatewayConfig, host: str, port: int, ready: Any) -> None:
+    """One worker process (started by :class:`GatewayWorkers`)."""
+    _configure_logging()
+    uvloop.run(_serve_until_signalled(config, host, port, reuse_port=True, ready=ready))
+
+
+class GatewayWorkers:
+    """``workers`` gateway processes on one port (``SO_REUSEPORT``), supervised: a worker
+    that dies is started again (at most once a second); :meth:`stop` ends them all, letting
+    in-flight requests finish."""
+
+    def __init__(self, config: GatewayConfig, host: str, port: int, workers: int):
+        if port == 0:
+            raise ValueError("workers share one port: give a port, not 0")
+        if config.state in (None, "", "memory"):
+            logger.warning(
+                "%d workers with in-process state: each worker has its own conversation table, "
+                "so a turn reuses KV only when the worker that served the previous turn gets "
+                "it; --state redis://… shares one table between them",
+                workers,
+            )
+        self.config = config
+        self.host = host
+        self.port = port
+        self.url = f"http://{host}:{port}"
+        self.workers = workers
+        # Spawned, not forked: a worker starts from a clean interpreter, whatever threads
+        # (a gateway thread, an engine launcher) the supervising process runs.
+        self._context = multiprocessing.get_context("spawn")
+        self._ready = self._context.Queue()
+        self.processes: list[Any] = []
+        self._last_restart = 0.0
+
+    def _spawn(self) -> Any:
+        process = self._context.Process(
+            target=_worker_main,
+            args=(self.config, self.host, self.port, self._ready),
+            name="kvturn-gateway-worker",
+            daemon=True,
+        )
+        process.start()
+        return process
+
+    def start(self, timeout_s: float = 60.0) -> GatewayWorkers:
+        """Start every worker; return once each listens (raises if one cannot)."""
+        self.processes = [self._spawn() for _ in range(self.workers)]
+        deadline = time.monotonic() + timeout_s
+        for _ in range(self.workers):
+            remaining = deadline - time.monotonic()
+            try:
+                state, pid, detail = self._ready.get(timeout=max(0.1, remaining))
+            except Exception:
+                self.stop()
+                raise RuntimeError(f"gateway workers did not start on {self.url}") from None
+            if state != "ready":
+                self.stop()
+                raise RuntimeError(f"a gateway worker (pid {pid}) cannot listen: {detail}")
+        logger.info("kvturn gateway: %d workers on %s", self.workers, self.url)
+        return self
+
+    def watch(self) -> None:
+        """Start again a worker that died (call it periodically)."""
+        for i, process in enumerate(self.processes):
+            if process.is_alive() or time.monotonic() - self._last_restart < 1.0:
+                continue
+            logger.warning(
+                "gateway worker pid %s exited with %s; starting another",
+                process.pid,
+                process.exitcode,
+            )
+            self._last_restart = time.monotonic()
+            self.processes[i] = self._spawn()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for process in self.processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        self.processes = []
 
 
 class GatewayThread:
