@@ -36,6 +36,7 @@ PlanName = Literal["recompute", "pull-reuse", "decode-local"]
 class TurnPlan:
     plan: PlanName
     #: Why, for headers and metrics. ``recompute``: ``no-conversation``, ``first-turn``,
+    #: ``nothing-held``, ``state-unavailable``,
     #: ``lease-expired``, ``holder-unhealthy``, ``below-threshold``, ``lease-reclaimed``,
     #: ``kv-gone``, ``pull-failed``, ``no-common-prefix``, ``decode-failed``,
     #: ``cache-salt-changed``.
@@ -72,7 +73,10 @@ def plan_turn(
     if conversation is None:
         return RECOMPUTE_NO_CONVERSATION
     if conversation.holder_url is None:
-        return TurnPlan("recompute", "first-turn")
+        # Nothing on record: the conversation's first turn, or a later one whose predecessors
+        # left no KV here (a parallel turn took it, a reply never completed, the table lost it).
+        reason = "first-turn" if conversation.turns <= 1 else "nothing-held"
+        return TurnPlan("recompute", reason)
     if conversation.held_salt != salt:
         # vLLM shares no KV between requests under different cache salts: neither do we.
         return TurnPlan("recompute", "cache-salt-changed")

@@ -81,7 +81,8 @@ def test_serve_refuses_an_open_gateway_on_a_public_address(
     monkeypatch.delenv("KVTURN_API_KEYS_FILE", raising=False)
     served: list[tuple[GatewayConfig, str]] = []
     monkeypatch.setattr(
-        "kvturn.gateway.server.serve", lambda config, host, port: served.append((config, host))
+        "kvturn.gateway.server.serve",
+        lambda config, host, port, workers: served.append((config, host)),
     )
     base = ["serve", "--prefill", "http://p", "--decode", "http://d"]
     with pytest.raises(SystemExit, match="without API keys"):
