@@ -12,7 +12,9 @@ virtualenv so it cannot disturb kvturn's packages:
 
     python3 -m venv .venv-router && .venv-router/bin/pip install vllm-router==0.1.17
 
-(without it, or with --no-router, its columns are left out). Results:
+(without it, or with --no-router, its columns are left out). A second gateway with its state in
+Redis (``--state redis://…``, a ``redis-server`` of its own on loopback) is measured beside the
+first (without ``redis-server``, or with --no-redis, it is left out). Results:
 benchmarks/results/gateway_overhead.md.
 """
 
@@ -23,6 +25,8 @@ import asyncio
 import math
 import os
 import shlex
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -44,10 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.md"
 ROUTER_BIN = ROOT / ".venv-router" / "bin" / "vllm-router"
 GATEWAY_PORT, FAKE_PORT, ROUTER_PORT, ROUTER_METRICS_PORT = 29000, 29001, 29002, 29003
+GATEWAY_REDIS_PORT, REDIS_PORT = 29004, 29005
 LEVELS = (1, 32, 256)
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
 PREFILL = PREFILL_FOR_REMOTE_DECODE
-PORTS = {"gateway": GATEWAY_PORT, "router": ROUTER_PORT}
+PORTS = {"gateway": GATEWAY_PORT, "gateway-redis": GATEWAY_REDIS_PORT, "router": ROUTER_PORT}
 JSON = {"content-type": "application/json"}
 
 ROUTER_NOTES = """\
@@ -82,16 +87,21 @@ def _shown(command: tuple[str, ...]) -> str:
 
 
 @contextmanager
-def server(*command: str, port: int) -> Iterator[None]:
+def server(*command: str, port: int, http: bool = True) -> Iterator[None]:
+    """``command`` running until the block ends, once it answers ``/health`` (or, not
+    ``http``, once it accepts connections)."""
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
             while True:
                 try:
+                    if not http:
+                        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                        break
                     if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                         break
-                except httpx.HTTPError:
+                except (httpx.HTTPError, OSError):
                     pass
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
@@ -240,6 +250,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--router-bin", type=Path, default=ROUTER_BIN, help="vllm-router binary")
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--no-redis", action="store_true", help="leave the Redis gateway out")
     parser.add_argument("--out", type=Path, default=RESULTS, help="Markdown results file")
     args = parser.parse_args()
     counts = dict(
@@ -255,17 +266,31 @@ def main() -> int:
     fake_url = f"http://127.0.0.1:{FAKE_PORT}"
     gateway = (py, "-m", "kvturn.gateway.cli", "serve", "--prefill", fake_url, "--decode", fake_url,
                "--decode-control", fake_url, "--port", str(GATEWAY_PORT))  # fmt: skip
+    redis_bin = shutil.which("redis-server")
+    with_redis = not args.no_redis and redis_bin is not None
+    redis = (str(redis_bin), "--port", str(REDIS_PORT), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no")  # fmt: skip
+    gateway_redis = (*gateway[:-1], str(GATEWAY_REDIS_PORT),
+                     "--state", f"redis://127.0.0.1:{REDIS_PORT}/0")  # fmt: skip
     router = (str(args.router_bin), "--vllm-pd-disaggregation",
               "--prefill", f"http://localhost:{FAKE_PORT}", "--decode", fake_url,
               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ROUTER_PORT),
               "--prometheus-port", str(ROUTER_METRICS_PORT), "--log-level", "warning")  # fmt: skip
 
-    kinds = ["direct", "gateway", *(["router"] if with_router else [])]
+    kinds = [
+        "direct",
+        "gateway",
+        *(["gateway-redis"] if with_redis else []),
+        *(["router"] if with_router else []),
+    ]
+    with_cid = ["gateway+cid", *(["gateway-redis+cid"] if with_redis else [])]
     results: dict[tuple[bool, int], dict[str, dict[str, Any]]] = {}
     started = time.monotonic()
     with (
         server(*fake, port=FAKE_PORT),
         server(*gateway, port=GATEWAY_PORT),
+        server(*redis, port=REDIS_PORT, http=False) if with_redis else _nothing(),
+        server(*gateway_redis, port=GATEWAY_REDIS_PORT) if with_redis else _nothing(),
         server(*router, port=ROUTER_PORT) if with_router else _nothing(),
     ):
         for stream in (False, True):
@@ -274,13 +299,14 @@ def main() -> int:
             for concurrency in LEVELS:
                 n = counts[concurrency]
                 if concurrency == 1:
-                    found = uvloop.run(sequential([*kinds, "gateway+cid"], stream, n))
+                    found = uvloop.run(sequential([*kinds, *with_cid], stream, n))
                 else:
                     found = uvloop.run(concurrent(kinds, stream, concurrency, n, rounds))
                 results[(stream, concurrency)] = found
                 print(f"stream={stream} c={concurrency}: {found}", flush=True)
     took = time.monotonic() - started
-    write_results(args, results, counts, rounds, took, fake, gateway, router, with_router)
+    servers = {"fake": fake, "gateway": gateway, "router": router, "redis": gateway_redis}
+    write_results(args, results, counts, rounds, took, servers, with_router, with_redis)
     return 0
 
 
@@ -290,11 +316,11 @@ def write_results(
     counts: dict[int, int],
     rounds: int,
     took: float,
-    fake: tuple[str, ...],
-    gateway: tuple[str, ...],
-    router: tuple[str, ...],
+    servers: dict[str, tuple[str, ...]],
     with_router: bool,
+    with_redis: bool,
 ) -> None:
+    fake, gateway, router = servers["fake"], servers["gateway"], servers["router"]
     quick = " --quick" if args.quick else ""
     lines = [
         "# Router overhead against a fast fake upstream (P/D mode)"
@@ -319,44 +345,66 @@ def write_results(
         "",
         f"- fake engine (prefill and decode, canned answers): `{_shown(fake)}`",
         f"- kvturn gateway: `{_shown(gateway)}`",
+        f"- kvturn gateway, state in Redis ({_redis_version()}, loopback, no persistence): "
+        f"`{_shown(servers['redis'])}`"
+        if with_redis
+        else "- kvturn gateway with Redis state: not measured",
         f"- vllm-router {router_version(args.router_bin)}: `{_shown(router)}`"
         if with_router
         else "- vllm-router: not measured",
         "",
         "| streamed | concurrency | direct p50 | direct p99 | direct req/s "
         "| gateway p50 | gateway p99 | gateway req/s | gateway added p50 "
+        "| gateway+Redis p50 | gateway+Redis p99 | gateway+Redis req/s | gateway+Redis added p50 "
         "| vllm-router p50 | vllm-router p99 | vllm-router req/s | vllm-router added p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    absent = "— | — | — | —"
     for (stream, c), found in results.items():
         d = found["direct"]
-        router_cells = _cells(found["router"], d) if with_router else "— | — | — | —"
+        router_cells = _cells(found["router"], d) if with_router else absent
+        redis_cells = _cells(found["gateway-redis"], d) if with_redis else absent
         lines.append(
             f"| {'yes' if stream else 'no'} | {c} | {d['p50_ms']:.3f} | {d['p99_ms']:.3f} "
-            f"| {d['rps']:.0f} | {_cells(found['gateway'], d)} | {router_cells} |"
+            f"| {d['rps']:.0f} | {_cells(found['gateway'], d)} | {redis_cells} | {router_cells} |"
         )
     lines += [
         "",
         "Gateway with `X-Conversation-Id` (64 rotating ids; the conversation-aware path: table "
         "lookups, settling the KV location after each reply, which vllm-router has no "
-        "counterpart for), concurrency 1, interleaved with the rows above:",
+        "counterpart for), concurrency 1, interleaved with the rows above; the table in "
+        "process and in Redis (without an id the gateway's implicit-conversation path uses "
+        "the table too: the rows above):",
         "",
-        "| streamed | direct p50 | gateway p50 | gateway p99 | gateway req/s | added p50 |",
-        "|---|---|---|---|---|---|",
+        "| streamed | state | direct p50 | gateway p50 | gateway p99 | gateway req/s | added p50 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (stream, c), found in results.items():
         if c != 1:
             continue
-        d, g = found["direct"], found["gateway+cid"]
-        lines.append(
-            f"| {'yes' if stream else 'no'} | {d['p50_ms']:.3f} | {g['p50_ms']:.3f} "
-            f"| {g['p99_ms']:.3f} | {g['rps']:.0f} | {g['p50_ms'] - d['p50_ms']:+.3f} |"
-        )
+        d = found["direct"]
+        for kind, state in (("gateway+cid", "in process"), ("gateway-redis+cid", "Redis")):
+            if kind not in found:
+                continue
+            g = found[kind]
+            lines.append(
+                f"| {'yes' if stream else 'no'} | {state} | {d['p50_ms']:.3f} "
+                f"| {g['p50_ms']:.3f} | {g['p99_ms']:.3f} | {g['rps']:.0f} "
+                f"| {g['p50_ms'] - d['p50_ms']:+.3f} |"
+            )
     if with_router:
         lines += ["", ROUTER_NOTES.rstrip()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _redis_version() -> str:
+    try:
+        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True)
+    except OSError:
+        return "redis-server"
+    return " ".join(out.stdout.split()[:3])
 
 
 @contextmanager

@@ -130,11 +130,12 @@ class ConversationTable(Protocol):
     #: The table's clock: ``lease_expires_at`` is on it.
     clock: Callable[[], float]
 
-    async def settled(self, key: str, timeout_s: float) -> None:
-        """Wait (up to ``timeout_s``) while the previous turn's KV location is being recorded."""
-
-    async def take(self, key: str, conversation_id: str, turn_id: str | None) -> Taken:
-        """Start a turn (making the entry if there is none); its KV comes off the table."""
+    async def take(
+        self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
+    ) -> Taken:
+        """Start a turn (making the entry if there is none); its KV comes off the table. While
+        the previous turn's KV location is being recorded, wait for it first (up to
+        ``wait_s``: a record that never comes, from a gateway that died, is not waited for)."""
         ...
 
     async def settling(self, key: str, turn: int) -> None:
@@ -179,14 +180,14 @@ class ConversationStore:
 
     # ---- the table interface ----------------------------------------------------------------
 
-    async def settled(self, key: str, timeout_s: float) -> None:
-        conversation = self._items.get(key)
-        event = conversation.settling if conversation is not None else None
-        if event is not None:
+    async def take(
+        self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
+    ) -> Taken:
+        found = self._items.get(key)
+        event = found.settling if found is not None else None
+        if event is not None and wait_s > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout_s)
-
-    async def take(self, key: str, conversation_id: str, turn_id: str | None) -> Taken:
+                await asyncio.wait_for(event.wait(), wait_s)
         conversation = self.get_or_create(key, conversation_id)
         retry = self.note_turn(conversation, turn_id)
         conversation.turns += 1
@@ -367,9 +368,16 @@ class ConversationStore:
 _HELD_FIELDS = ("holder", "rid", "held", "digest", "dtok", "salt", "expires")
 
 # KEYS: entry, live-lease index, entry index. ARGV: conversation id, turn id ('' none), now,
-# ttl ms, epoch.
+# ttl ms, epoch, settle window s ('': take whatever is under way). Returns the entry as it
+# was, or {'settling', 1} (nothing changed) while a reply marked within the window records.
 _TAKE = """
 local h = KEYS[1]
+if ARGV[6] ~= '' then
+  local at = redis.call('HGET', h, 'settling_at')
+  if at and tonumber(ARGV[3]) - tonumber(at) <= tonumber(ARGV[6]) then
+    return {'settling', 1}
+  end
+end
 if redis.call('EXISTS', h) == 0 then
   redis.call('HSET', h, 'cid', ARGV[1], 'epoch', ARGV[5], 'turns', 0, 'recorded', 0,
              'retries', 0, 'heartbeats', 0)
@@ -539,27 +547,21 @@ class RedisConversations:
             )
             self._down_since = None
 
-    async def settled(self, key: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                settling_at = await self._redis.hget(self._key(key), "settling_at")
-            except self.errors as error:
-                raise self.failed("settled", error) from None
-            self.succeeded()
-            # A mark older than the wait itself is one whose turn never recorded (its
-            # gateway stopped): not worth waiting for.
-            if settling_at is None or self.clock() - float(settling_at) > timeout_s:
-                return
-            if time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(self.settle_poll_s)
-
-    async def take(self, key: str, conversation_id: str, turn_id: str | None) -> Taken:
-        now = self.clock()
-        args = (conversation_id, turn_id or "", now, self.ttl_ms, int.from_bytes(os.urandom(7)))
+    async def take(
+        self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
+    ) -> Taken:
+        # One round trip unless a reply is being recorded: then poll until it is, or until
+        # ``wait_s`` (a mark older than that is one whose record never came: not waited for).
         keys = (self._key(key), self._live, self._seen)
-        raw = await self._call("take", self._take, keys, args)
+        epoch = int.from_bytes(os.urandom(7))
+        deadline = time.monotonic() + wait_s
+        while True:
+            window = "" if wait_s <= 0 or time.monotonic() >= deadline else wait_s
+            args = (conversation_id, turn_id or "", self.clock(), self.ttl_ms, epoch, window)
+            raw = await self._call("take", self._take, keys, args)
+            if len(raw) != 2 or _text(raw[0]) != "settling":
+                break
+            await asyncio.sleep(self.settle_poll_s)
         fields = _pairs(raw)
         conversation = _conversation(key, fields)
         return Taken(conversation, conversation.turns, fields.get("retry") == "1")

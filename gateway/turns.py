@@ -204,8 +204,8 @@ class TurnRunner:
             if named is not None:
                 key, conversation_id = named
                 # The previous turn's KV location may still be being recorded: wait briefly.
-                await self.store.settled(key, self.config.publish_wait_s)
-                taken = await self.store.take(key, conversation_id, turn.turn_id)
+                wait_s = self.config.publish_wait_s
+                taken = await self.store.take(key, conversation_id, turn.turn_id, wait_s)
         except StateUnavailable:
             # Nothing is known, nothing will be recorded: the turn recomputes and its decode
             # keeps no KV (no conversation to lease it to).

@@ -197,19 +197,20 @@ async def test_a_next_turn_waits_for_a_reply_under_way_and_no_longer(
 
     recording = asyncio.create_task(record_soon())
     started = loop.time()
-    await store.settled("k", timeout_s=5.0)
+    taken = await store.take("k", "conv", None, wait_s=5.0)
     waited = loop.time() - started
     await recording
     assert 0.05 <= waited < 4.0, waited  # until the record, not the timeout
-    assert (await store.take("k", "conv", None)).conversation.holder_request_id == "r1"
+    assert taken.conversation.holder_request_id == "r1" and taken.turn == 2
     # A reply whose record never comes (its gateway died) holds the next turn up to the
-    # timeout only.
-    second = await store.take("k", "conv", None)
-    await store.settling("k", second.turn)
+    # wait only.
+    await store.settling("k", taken.turn)
     started = loop.time()
-    await store.settled("k", timeout_s=0.2)
-    assert loop.time() - started < 4.0
-    await store.settled("unknown", timeout_s=5.0)  # nothing under way: no wait
+    late = await store.take("k", "conv", None, wait_s=0.2)
+    assert 0.15 <= loop.time() - started < 4.0 and late.turn == 3
+    started = loop.time()
+    await store.take("unknown", "conv", None, wait_s=5.0)  # nothing under way: no wait
+    assert loop.time() - started < 1.0
 
 
 async def test_redis_outage_raises_state_unavailable_quickly() -> None:
@@ -225,13 +226,13 @@ async def test_redis_outage_raises_state_unavailable_quickly() -> None:
             store.renewed("k", "r", 1.0),
             store.remove("k"),
             store.counts(),
-            store.settled("k", 1.0),
+            store.take("k", "c", None, wait_s=1.0),
             store.settling("k", 1),
         ):
             with pytest.raises(StateUnavailable):
                 await asyncio.wait_for(call, 5)
         assert failed == [
-            "take", "record", "lookup", "renewed", "remove", "counts", "settled", "settling"
+            "take", "record", "lookup", "renewed", "remove", "counts", "take", "settling"
         ]  # fmt: skip
     finally:
         await store.close()

@@ -128,7 +128,7 @@ def test_a_redis_outage_costs_reuse_never_a_request(
         assert beat.status_code == 503
         assert beat.json()["error"]["code"] == "state_unavailable"
         metrics = httpx.get(replicas[0] + "/metrics").text
-        assert 'kvturn_state_errors_total{op="settled"}' in metrics
+        assert 'kvturn_state_errors_total{op="take"}' in metrics
     finally:
         redis_server.start()
     # Redis is back (empty: it kept nothing): the next turn records, the one after reuses.
