@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import re
 import time
 from email.utils import formatdate
 from typing import Any
@@ -58,6 +59,22 @@ _STATUS_LINES = {
 _NO_BODY_STATUSES = frozenset({204, 304})
 _MAX_PIPELINED = 16  # parsed requests queued per connection before reading pauses
 _WRITE_HIGH_WATER = 256 * 1024
+
+
+def header_lines(headers: dict[str, str]) -> list[bytes]:
+    """Response header lines; a name or value that would break the head (CR, LF, NUL; a name
+    that is not a token) is dropped and logged, never written."""
+    lines = []
+    for name, value in headers.items():
+        if _UNSAFE_VALUE.search(value) or not _TOKEN.fullmatch(name):
+            logger.error("response header %r dropped: its name or value is not safe to send", name)
+            continue
+        lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
+    return lines
+
+
+_UNSAFE_VALUE = re.compile(r"[\r\n\x00]")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 def _status_line(status: int) -> bytes:
@@ -300,9 +317,7 @@ class _Connection(asyncio.Protocol):
         await self._asgi(request)
 
     def _head(self, request: _Request, status: int, headers: dict[str, str]) -> list[bytes]:
-        head = [_status_line(status), b"date: ", _date(), b"\r\n"]
-        for name, value in headers.items():
-            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+        head = [_status_line(status), b"date: ", _date(), b"\r\n", *header_lines(headers)]
         if not request.keep_alive:
             head.append(b"connection: close\r\n")
         return head

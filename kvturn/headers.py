@@ -29,12 +29,14 @@ Plan = Literal["recompute", "pull-reuse", "decode-local"]
 
 #: Conversation ids are opaque to kvturn but must be safe in headers, logs and metrics labels.
 CONVERSATION_ID_MAX_LEN: Final = 128
-_CONVERSATION_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_CONVERSATION_ID_RE: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 def is_valid_conversation_id(value: str) -> bool:
     """Whether ``value`` is an acceptable conversation id (1 to 128 of ``A-Z a-z 0-9 . _ : -``)."""
-    return bool(_CONVERSATION_ID_RE.match(value))
+    # fullmatch: ``$`` alone would also accept a trailing newline, which echoed back in the
+    # X-Conversation-Id response header would split the reply's head.
+    return bool(_CONVERSATION_ID_RE.fullmatch(value))
 
 
 #: Seconds a conversation's lease lasts without a turn or heartbeat (gateway → client, on every

@@ -302,3 +302,26 @@ def test_request_bodies_held_at_once_are_bounded(fake_url: str) -> None:
             time.sleep(0.05)
         assert http_server.body_bytes_held == 0
         assert server_state.config.body_budget_bytes == int(2.5 * mib)
+
+
+@pytest.mark.parametrize("field", ["conversation_id", "prompt_cache_key"])
+def test_a_conversation_id_that_would_split_the_reply_head_is_refused(
+    open_gateway: str, field: str
+) -> None:
+    # "abc\n" passed a `^…$` check (``$`` matches before a final newline) and came back raw
+    # in the X-Conversation-Id reply header: the client saw a broken head and hung.
+    for bad in ("abc\n", "abc\r\nX-Injected: 1", "a\x00b"):
+        body = {"model": "fake", "messages": MESSAGES, field: bad}
+        response = httpx.post(open_gateway + "/v1/chat/completions", json=body, timeout=10)
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["param"] == "conversation_id"
+        assert "x-injected" not in response.headers
+
+
+def test_response_headers_unsafe_to_send_are_dropped() -> None:
+    from kvturn.gateway.http_server import header_lines
+
+    lines = header_lines(
+        {"x-ok": "fine", "x-bad": "a\r\nset-cookie: x", "x-nul": "a\x00", "bad name": "v"}
+    )
+    assert lines == [b"x-ok: fine\r\n"]
