@@ -192,6 +192,8 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "max_conversations": (int, "conversations remembered at once (LRU beyond)"),
     "max_body_bytes": (int, "largest request body accepted"),
     "body_budget_bytes": (int, "request body bytes held at once, all connections (503 past it)"),
+    "read_timeout_s": (float, "a request must arrive whole this soon, seconds (else 408)"),
+    "max_connections": (int, "client connections open at once (503 past it)"),
     "connect_timeout_s": (float, "engine connect timeout, seconds"),
     "request_timeout_s": (float, "upper bound on one engine request, seconds"),
     "health_interval_s": (float, "engine health-check period, seconds"),

@@ -70,6 +70,11 @@ class GatewayConfig:
     #: Request body bytes held at once (being read or served), all connections together;
     #: past it, new bodies get a 503 (parsing one costs several times its size in memory).
     body_budget_bytes: int = 64 * 1024 * 1024
+    #: A request (head and body) must arrive whole this soon after its first byte, or it
+    #: gets a 408 and its connection is closed (a client trickling it holds nothing long).
+    read_timeout_s: float = 60.0
+    #: Client connections open at once; past it a new connection gets a 503 and is closed.
+    max_connections: int = 4096
     connect_timeout_s: float = 5.0
     #: Upper bound on one upstream request (prefill, or a whole decode stream).
     request_timeout_s: float = 600.0
@@ -114,7 +119,8 @@ class GatewayConfig:
         typed: dict[str, Callable[[str], object]] = {
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
             "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
-            "max_body_bytes": int, "body_budget_bytes": int,
+            "max_body_bytes": int, "body_budget_bytes": int, "read_timeout_s": float,
+            "max_connections": int,
             "connect_timeout_s": float,
             "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,

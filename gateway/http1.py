@@ -14,11 +14,14 @@ Semantics worth knowing:
 
 * **Errors** are :class:`HttpError` (refused, reset, closed early, malformed response,
   timeout), never a half-read response.
-* **Stale connections**: an idle connection the server closed is dropped when noticed; and a
-  request that fails on a *reused* connection before a single response byte arrived is sent
-  once more on a fresh connection (the server closed it while idle — uvicorn's keep-alive is
-  5 s — and never saw the request). Idle connections older than ``idle_timeout_s`` are closed
-  rather than reused, which keeps that race rare.
+* **Stale connections**: an idle connection the server closed is dropped when noticed (and
+  the request goes on a fresh one); idle connections older than ``idle_timeout_s`` (3 s;
+  uvicorn's keep-alive is 5 s) are closed rather than reused, which keeps the race of a server
+  closing a connection as a request goes out rare. A request that fails that way, on a reused
+  connection before a single response byte, is sent once more on a fresh connection only if
+  its method is idempotent: the server may also have failed while serving it, and a POST to
+  an engine (a prefill, a decode) must not run twice. The POST's caller gets the error and
+  its own fallback decides (the turn path retries as a new request where that is safe).
 * **Timeouts**: ``connect_timeout_s`` to open a connection; ``timeout_s`` for the whole
   exchange, streamed bodies included (the deadline aborts the connection).
 * **Streams** (:meth:`HttpClient.open`) deliver body bytes as they arrive (de-chunked, never
@@ -45,7 +48,17 @@ class HttpError(Exception):
 
 
 class _Stale(HttpError):
-    """A reused connection failed before any response byte: safe to send again."""
+    """A reused connection failed before any response byte: the server closed it while idle
+    (and never saw the request), or, rarely, failed while serving it."""
+
+    def __init__(self, message: str, *, before_sending: bool = False):
+        super().__init__(message)
+        #: Found closed before the request was written: it certainly never arrived.
+        self.before_sending = before_sending
+
+
+#: Methods that may be sent again after a stale connection (RFC 9110 §9.2.2).
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
 
 class Response:
@@ -372,13 +385,18 @@ class HttpClient:
         until_complete: bool,
     ) -> tuple[_Pool, _Connection]:
         """One exchange on a pooled connection; once more on a fresh one if the reused
-        connection turned out dead before any response byte."""
+        connection turned out dead before any response byte and sending again is safe: it
+        was found closed before the request went out, or the method is idempotent. A POST
+        that went out is never sent twice (the engine may have received it: a prefill or a
+        decode would run twice); its caller gets the error."""
         pool, path = self._route(url)
         payload = _encode(method, path, pool.host_header, body, headers)
         conn = await pool.acquire()
         try:
             await self._exchange(pool, conn, payload, timeout_s, until_complete)
-        except _Stale:
+        except _Stale as stale:
+            if not (stale.before_sending or method in _IDEMPOTENT):
+                raise HttpError(str(stale)) from None
             conn = await pool.acquire(fresh=True)
             await self._exchange(pool, conn, payload, timeout_s, until_complete)
         return pool, conn
@@ -393,7 +411,9 @@ class HttpClient:
     ) -> None:
         try:
             if conn.closed:
-                raise (_Stale if conn.reused else HttpError)("connection closed")
+                if conn.reused:
+                    raise _Stale("connection closed", before_sending=True)
+                raise HttpError("connection closed")
             conn.start(payload, timeout_s or self.timeout_s, pool.loop)
             while not (conn.complete if until_complete else conn.headers_done):
                 await conn.wait()

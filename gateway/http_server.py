@@ -136,6 +136,15 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        #: A request's head is being read (httptools buffers it until it is whole), the raw
+        #: bytes it has taken so far, and whether it began in the chunk being parsed.
+        self._in_head = False
+        self._head_raw = 0
+        self._began_in_chunk = False
+        #: Fires if the request being read is not whole within the read deadline.
+        self.read_timer: asyncio.TimerHandle | None = None
+        #: A request read after others not yet answered expects ``100 Continue``.
+        self._continue_owed = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -145,12 +154,18 @@ class _Connection(asyncio.Protocol):
         self.client = _address(transport.get_extra_info("peername"))
         self.local = _address(transport.get_extra_info("sockname"))
         self.server.connections.add(self)
+        if len(self.server.connections) > self.server.max_connections:
+            # Past the cap a connection gets a 503 (the SDKs retry) and is closed: the
+            # gateway's file descriptors stay available to the connections it serves.
+            self._refuse(503, "the gateway has too many open connections; retry shortly")
+            return
         self._arm_idle_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
         self._cancel_idle_timer()
+        self._cancel_read_timer()
         if not self.gone.done():
             self.gone.set_result(None)
         if self.drained is not None and not self.drained.done():
@@ -169,12 +184,22 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return
+        self._began_in_chunk = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as error:
             self._refuse(400, f"malformed HTTP request: {error}")
+        if self._in_head and not self.refused:
+            # Bound what httptools buffers of an unfinished head (one endless header line
+            # reaches on_header only once it ends): every byte of a chunk after which the head
+            # is still unfinished is head, but for a chunk the head began in (not counted:
+            # it may end another request) - so the bound is the limit plus one chunk.
+            if not self._began_in_chunk:
+                self._head_raw += len(data)
+            if self._head_raw > self.server.max_head_bytes:
+                self._refuse(431, f"request head is larger than {self.server.max_head_bytes} bytes")
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -188,6 +213,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._cancel_idle_timer()
+        self._in_head, self._head_raw, self._began_in_chunk = True, 0, True
+        self._cancel_read_timer()
+        self.read_timer = self.loop.call_later(self.server.read_timeout_s, self._read_timed_out)
         self._request = _Request()
         self._head_bytes = 0
         self._body = []
@@ -198,10 +226,13 @@ class _Connection(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a chunked body's trailer: never lets a sender change the request's headers
         self._request.headers.append((name.lower(), value))
         self._count_head(len(name) + len(value) + 4)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         if self.refused:
             return
         request = self._request
@@ -216,8 +247,13 @@ class _Connection(asyncio.Protocol):
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_continue = True
-        if expect_continue and not self.busy and not self.pending:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if expect_continue:
+            if not self.busy and not self.pending:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:
+                # Pipelined behind requests not yet answered: a 100 now would be taken as
+                # theirs. It goes out once every reply before it has (see _work).
+                self._continue_owed = True
 
     def on_body(self, body: bytes) -> None:
         if self.refused:
@@ -235,6 +271,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._cancel_read_timer()
         if self.refused:
             return
         request = self._request
@@ -287,6 +324,10 @@ class _Connection(asyncio.Protocol):
                     return
                 if len(self.pending) < _MAX_PIPELINED and not self.refused:
                     self.transport.resume_reading()
+                if self._continue_owed and not self.pending and not self.closed:
+                    # The request that expects it is the one being read: its turn now.
+                    self._continue_owed = False
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         finally:
             self.worker = None
             if not self.transport.is_closing():
@@ -307,8 +348,18 @@ class _Connection(asyncio.Protocol):
             return
         path, _, _ = request.url.partition(b"?")
         if request.method == "POST" and path in _TURN_URLS:
-            reply = await serve_turn(self.server.app.gateway, path.decode(), request.headers,
-                                     request.body)  # fmt: skip
+            turn = self.loop.create_task(
+                serve_turn(self.server.app.gateway, path.decode(), request.headers, request.body)
+            )
+            # The client may leave before the reply starts (a non-streamed turn waits for the
+            # whole reply): then the turn's engine requests are cancelled, not left to run.
+            await asyncio.wait((turn, self.gone), return_when=asyncio.FIRST_COMPLETED)
+            if not turn.done():
+                turn.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await turn
+                return
+            reply = turn.result()
             if reply.stream is None:
                 self._write_reply(request, reply)
             else:
@@ -465,6 +516,18 @@ class _Connection(asyncio.Protocol):
             return
         self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self._idle_timeout)
 
+    def _cancel_read_timer(self) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+            self.read_timer = None
+
+    def _read_timed_out(self) -> None:
+        """A request whose head or body started but did not finish in time (a client that
+        trickles it, or stalled): 408, then closed."""
+        self.read_timer = None
+        if not self.refused and not self.closed:
+            self._refuse(408, f"request not received within {self.server.read_timeout_s:g} s")
+
     def _cancel_idle_timer(self) -> None:
         if self.idle_timer is not None:
             self.idle_timer.cancel()
@@ -516,6 +579,10 @@ class HttpServer:
         self.max_head_bytes = max_head_bytes
         self.max_body_bytes = app.gateway.config.max_body_bytes
         self.body_budget_bytes = app.gateway.config.body_budget_bytes
+        #: A request must arrive whole (head and body) this soon after its first byte.
+        self.read_timeout_s = app.gateway.config.read_timeout_s
+        #: Open connections at once; past it, a new one gets a 503 and is closed.
+        self.max_connections = app.gateway.config.max_connections
         #: Request body bytes read and not yet served, on every connection.
         self.body_bytes_held = 0
         self.connections: set[_Connection] = set()

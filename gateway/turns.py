@@ -540,6 +540,12 @@ class TurnRunner:
                 response = await self.upstream.post_json(url, body, upstream_headers)
             except UpstreamUnavailable as error:
                 raise DecodeFailed(instance.url, unreachable=True) from error
+            except asyncio.CancelledError:
+                # The client left: the engine request was closed (vLLM aborts it). Free what
+                # decode may keep of it, as for a stream the client left.
+                after.holder, after.incomplete = None, True
+                self._settle_later(after)
+                raise
             finally:
                 instance.in_flight -= 1
             if response.status >= 500:

@@ -134,8 +134,10 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
                                                "param": None, "code": None}})  # fmt: skip
         return
     body = json.loads(await _read(receive))
-    if body.get("fake_delay_ms"):  # lets a test hold requests in flight
-        await asyncio.sleep(body["fake_delay_ms"] / 1000)
+    delay_s = (body.get("fake_delay_ms") or 0) / 1000  # lets a test hold requests in flight
+    if delay_s and not await _wait_unless_abandoned(delay_s, receive):
+        COUNTS["abandoned_requests"] = COUNTS.get("abandoned_requests", 0) + 1
+        return
     if body.get("fake_429_once"):  # the first attempt of each distinct request is throttled
         key = body["fake_429_once"]
         if key not in _THROTTLED:
@@ -208,6 +210,19 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\n".encode(),
                     "more_body": True})  # fmt: skip
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _wait_unless_abandoned(seconds: float, receive: Any) -> bool:
+    """Sleep ``seconds``; False, at once, if the client disconnects meanwhile (as vLLM aborts
+    a request whose client left)."""
+    disconnect = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait_for(asyncio.shield(disconnect), seconds)
+    except TimeoutError:
+        return True
+    finally:
+        disconnect.cancel()
+    return disconnect.result().get("type") != "http.disconnect"
 
 
 async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None:

@@ -173,13 +173,12 @@ async def test_a_connection_the_server_closed_while_idle_is_not_an_error() -> No
     assert server.connections == 3
 
 
-async def test_a_reused_connection_dropped_at_the_next_request_is_retried_once() -> None:
-    # The race behind keep-alive timeouts: the server drops an idle connection just as the
-    # next request goes out on it. No response byte came back, so the request never ran:
-    # it is sent again on a fresh connection and the caller never knows.
+def _first_request_only() -> Server:
+    """A server that answers the first request of each connection and drops the connection
+    at the second, which it has received."""
     served: dict[int, int] = {}
 
-    def first_request_only(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+    def answer(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
         key = id(writer)
         served[key] = served.get(key, 0) + 1
         if served[key] == 1:
@@ -187,14 +186,35 @@ async def test_a_reused_connection_dropped_at_the_next_request_is_retried_once()
         else:
             writer.transport.abort()
 
-    server = Server(first_request_only)
+    return Server(answer)
+
+
+async def test_an_idempotent_request_dropped_on_a_reused_connection_is_sent_again() -> None:
+    # The race behind keep-alive timeouts: the server drops an idle connection just as the
+    # next request goes out on it, and no response byte comes back. A GET is sent again on a
+    # fresh connection and the caller never knows.
+    server = _first_request_only()
     client = HttpClient()
     async with serving(server) as url:
         for _ in range(3):
-            assert (await client.request("POST", url + "/", b"{}")).body == b"x"
+            assert (await client.request("GET", url + "/")).body == b"x"
     await client.close()
     assert server.connections == 3
     assert len(server.requests) == 5  # 3 answered + 2 dropped on reused connections
+
+
+async def test_a_post_that_went_out_is_never_sent_twice() -> None:
+    # The same drop, but the server had the request (a real engine may have started a prefill
+    # or a decode on it): a POST is not resent; its caller gets the error and decides.
+    server = _first_request_only()
+    client = HttpClient()
+    async with serving(server) as url:
+        assert (await client.request("POST", url + "/", b"{}")).body == b"x"
+        with pytest.raises(HttpError, match="before the response was complete"):
+            await client.request("POST", url + "/", b"{}")
+        assert len(server.requests) == 2  # the failed POST arrived once, and only once
+        assert (await client.request("POST", url + "/", b"{}")).body == b"x"  # a fresh one
+    await client.close()
 
 
 async def test_a_fresh_connection_dropped_before_answering_is_an_error() -> None:
