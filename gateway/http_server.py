@@ -24,6 +24,7 @@ import collections
 import contextlib
 import logging
 import re
+import resource
 import time
 from email.utils import formatdate
 from typing import Any
@@ -75,6 +76,24 @@ def header_lines(headers: dict[str, str]) -> list[bytes]:
 
 _UNSAFE_VALUE = re.compile(r"[\r\n\x00]")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+#: File descriptors kept for the gateway's own connections (engines, Redis, logs).
+_FD_RESERVE = 256
+
+
+def _connection_cap(configured: int) -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft - _FD_RESERVE >= configured:
+        return configured
+    cap = max(16, soft - _FD_RESERVE)
+    logger.warning(
+        "max_connections %d lowered to %d: this process may open %d files (ulimit -n)",
+        configured,
+        cap,
+        soft,
+    )
+    return cap
 
 
 def _status_line(status: int) -> bytes:
@@ -581,8 +600,10 @@ class HttpServer:
         self.body_budget_bytes = app.gateway.config.body_budget_bytes
         #: A request must arrive whole (head and body) this soon after its first byte.
         self.read_timeout_s = app.gateway.config.read_timeout_s
-        #: Open connections at once; past it, a new one gets a 503 and is closed.
-        self.max_connections = app.gateway.config.max_connections
+        #: Open connections at once; past it, a new one gets a 503 and is closed. Never more
+        #: than the process's file descriptors allow, less what the gateway needs for its own
+        #: engine and state connections: past that, every new connection would fail.
+        self.max_connections = _connection_cap(app.gateway.config.max_connections)
         #: Request body bytes read and not yet served, on every connection.
         self.body_bytes_held = 0
         self.connections: set[_Connection] = set()

@@ -220,3 +220,16 @@ def test_chunked_trailers_cannot_set_headers(gateway: tuple[str, int]) -> None:
         status, headers, _ = read_response(conn, bytearray())
     assert status == 200
     assert headers.get("x-conversation-id", "").startswith("implicit-")  # not the trailer's
+
+
+def test_the_connection_cap_stays_under_the_file_descriptor_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import resource
+
+    from kvturn.gateway import http_server
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
+    assert http_server._connection_cap(4096) == 1024 - http_server._FD_RESERVE
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (65536, 65536))
+    assert http_server._connection_cap(4096) == 4096
