@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tenacity import AsyncRetrying, retry_if_result, wait_fixed
 
 from kvturn import control
 from kvturn import headers as h
@@ -119,20 +120,24 @@ class Gateway:
 
     async def _learn_decodes(self) -> None:
         """Each decode's block size and KV bytes per token, from its connector (for the
-        planner's estimates and the KV-bytes-moved metric), retried until every one answered."""
-        while True:
-            unknown = [
-                i for i in self.decode.instances if i.control_url and not i.kv_bytes_per_token
-            ]
-            if not unknown:
-                return
-            for instance in unknown:
-                assert instance.control_url is not None
-                stats = await self.runner.leases.stats(instance.control_url)
-                if stats:
-                    instance.block_size = int(stats.get(BLOCK_SIZE_KEY) or 0)
-                    instance.kv_bytes_per_token = int(stats.get(KV_BYTES_PER_TOKEN_KEY) or 0)
-            await asyncio.sleep(2.0)
+        planner's estimates and the KV-bytes-moved metric), asked every 2 s until every one
+        answered."""
+        async for attempt in AsyncRetrying(wait=wait_fixed(2.0), retry=retry_if_result(bool)):
+            with attempt:
+                unknown = await self._learn_decodes_once()
+            if not attempt.retry_state.outcome.failed:  # type: ignore[union-attr]
+                attempt.retry_state.set_result(unknown)
+
+    async def _learn_decodes_once(self) -> list[str]:
+        """Ask the decodes not known yet; those still unknown."""
+        unknown = [i for i in self.decode.instances if i.control_url and not i.kv_bytes_per_token]
+        for instance in unknown:
+            assert instance.control_url is not None
+            stats = await self.runner.leases.stats(instance.control_url)
+            if stats:
+                instance.block_size = int(stats.get(BLOCK_SIZE_KEY) or 0)
+                instance.kv_bytes_per_token = int(stats.get(KV_BYTES_PER_TOKEN_KEY) or 0)
+        return [i.url for i in unknown if not i.kv_bytes_per_token]
 
     async def _sweep_forever(self) -> None:
         """Forget conversations that can no longer come back for their KV, a bounded batch a

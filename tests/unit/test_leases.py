@@ -255,3 +255,40 @@ def test_leases_of_requests_another_proxy_drives_are_never_reclaimed() -> None:
     _retain(table, 2, "b")
     assert [lease.key for lease in table.reclaim(100)] == ["r2"]
     assert table.reclaim_order() == []
+
+
+async def test_a_release_that_cannot_reach_its_decode_is_tried_again() -> None:
+    import asyncio
+
+    from kvturn.gateway.leases import LeaseClient
+    from kvturn.gateway.upstream import Upstream
+
+    calls: list[bytes] = []
+    answers = [None, (200, b'{"released": true}'), (404, b'{"released": false}')]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        calls.append(head.split(b" ", 1)[0])
+        answer = answers[min(len(calls), len(answers)) - 1]
+        if answer is None:
+            writer.transport.abort()  # unreachable, as far as the gateway can tell
+            return
+        status, body = answer
+        writer.write(b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    upstream = Upstream(1.0, 5.0, None)
+    await upstream.start()
+    try:
+        leases = LeaseClient(upstream, "secret")
+        assert await leases.release(url, "k1") is True
+        assert calls == [b"DELETE", b"DELETE"]  # dropped once, then freed
+        # A decode that answers "no such lease" is not asked again.
+        assert await leases.release(url, "k2") is False
+        assert len(calls) == 3
+    finally:
+        await upstream.close()
+        server.close()
