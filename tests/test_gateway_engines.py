@@ -28,7 +28,7 @@ import pytest
 from kvturn import control
 from kvturn.gateway.auth import ApiKeys
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
+from kvturn.gateway.launch.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
 from kvturn.gateway.server import GatewayThread
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import (

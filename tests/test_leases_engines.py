@@ -20,7 +20,7 @@ import pytest
 
 from kvturn.client import OpenAI as KvturnOpenAI
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
+from kvturn.gateway.launch.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import KV_BYTES_PER_TOKEN, NixlReads, long_prompt, single_engine_ids
 from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway, wait_recorded

@@ -91,7 +91,7 @@ class EngineSpec:
         }
 
     def command(self, python: str = sys.executable) -> list[str]:
-        from kvturn.gateway.local_models import chat_template_path
+        from kvturn.gateway.launch.local_models import chat_template_path
 
         argv = [
             python, "-m", "vllm.entrypoints.openai.api_server",
