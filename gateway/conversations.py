@@ -39,7 +39,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,8 +138,9 @@ class ConversationTable(Protocol):
         ``wait_s``: a record that never comes, from a gateway that died, is not waited for)."""
         ...
 
-    async def settling(self, key: str, turn: int) -> None:
-        """The turn's reply is under way: next turns wait for its record a while."""
+    def settling(self, key: str, turn: int) -> Awaitable[None] | None:
+        """The turn's reply is under way: next turns wait for its record a while. Done at
+        once, or under way (the awaitable) where it needs a round trip."""
 
     async def record(self, key: str, epoch: int, turn: int, held: Held | None) -> Recorded:
         """The turn is over: ``held`` is where its KV now lives (``None``: nowhere)."""
@@ -195,7 +196,7 @@ class ConversationStore:
         self.forget_kv(conversation)
         return Taken(taken, conversation.turns, retry)
 
-    async def settling(self, key: str, turn: int) -> None:
+    def settling(self, key: str, turn: int) -> None:
         conversation = self._items.get(key)
         if conversation is not None and conversation.recorded_turn < turn:
             if conversation.settling is not None:
@@ -566,8 +567,9 @@ class RedisConversations:
         conversation = _conversation(key, fields)
         return Taken(conversation, conversation.turns, fields.get("retry") == "1")
 
-    async def settling(self, key: str, turn: int) -> None:
-        await self._call("settling", self._settling, (self._key(key),), (turn, self.clock()))
+    def settling(self, key: str, turn: int) -> Awaitable[None]:
+        call = self._call("settling", self._settling, (self._key(key),), (turn, self.clock()))
+        return asyncio.get_running_loop().create_task(call)
 
     async def record(self, key: str, epoch: int, turn: int, held: Held | None) -> Recorded:
         now = self.clock()

