@@ -14,7 +14,10 @@ virtualenv so it cannot disturb kvturn's packages:
 
 (without it, or with --no-router, its columns are left out). A second gateway with its state in
 Redis (``--state redis://…``, a ``redis-server`` of its own on loopback) is measured beside the
-first (without ``redis-server``, or with --no-redis, it is left out). Results:
+first (without ``redis-server``, or with --no-redis, it is left out). With --servers, the same
+gateway app is also served whole by maintained ASGI servers (``benchmarks/asgi_gateway.py``):
+uvicorn with httptools, uvicorn with h11, and granian if it is installed
+(``.venv/bin/pip install granian==2.8.7``; not a kvturn dependency). Results:
 benchmarks/results/gateway_overhead.md.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import shlex
@@ -49,10 +53,17 @@ RESULTS = Path(__file__).parent / "results" / "gateway_overhead.md"
 ROUTER_BIN = ROOT / ".venv-router" / "bin" / "vllm-router"
 GATEWAY_PORT, FAKE_PORT, ROUTER_PORT, ROUTER_METRICS_PORT = 29000, 29001, 29002, 29003
 GATEWAY_REDIS_PORT, REDIS_PORT = 29004, 29005
+#: The gateway app under other ASGI servers (--servers): kind → port.
+SERVER_PORTS = {"uvicorn-httptools": 29006, "uvicorn-h11": 29007, "granian": 29008}
 LEVELS = (1, 32, 256)
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
 PREFILL = PREFILL_FOR_REMOTE_DECODE
-PORTS = {"gateway": GATEWAY_PORT, "gateway-redis": GATEWAY_REDIS_PORT, "router": ROUTER_PORT}
+PORTS = {
+    "gateway": GATEWAY_PORT,
+    "gateway-redis": GATEWAY_REDIS_PORT,
+    "router": ROUTER_PORT,
+    **SERVER_PORTS,
+}
 JSON = {"content-type": "application/json"}
 
 ROUTER_NOTES = """\
@@ -87,11 +98,19 @@ def _shown(command: tuple[str, ...]) -> str:
 
 
 @contextmanager
-def server(*command: str, port: int, http: bool = True) -> Iterator[None]:
+def server(
+    *command: str, port: int, http: bool = True, env: dict[str, str] | None = None
+) -> Iterator[None]:
     """``command`` running until the block ends, once it answers ``/health`` (or, not
     ``http``, once it accepts connections)."""
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -251,6 +270,9 @@ def main() -> int:
     parser.add_argument("--router-bin", type=Path, default=ROUTER_BIN, help="vllm-router binary")
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     parser.add_argument("--no-redis", action="store_true", help="leave the Redis gateway out")
+    parser.add_argument(
+        "--servers", action="store_true", help="also the gateway app under uvicorn and granian"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="Markdown results file")
     args = parser.parse_args()
     counts = dict(
@@ -272,6 +294,12 @@ def main() -> int:
              "--appendonly", "no")  # fmt: skip
     gateway_redis = (*gateway[:-1], str(GATEWAY_REDIS_PORT),
                      "--state", f"redis://127.0.0.1:{REDIS_PORT}/0")  # fmt: skip
+    asgi_env = {
+        "KVTURN_PREFILL_URLS": fake_url,
+        "KVTURN_DECODE_URLS": fake_url,
+        "KVTURN_DECODE_CONTROL_URLS": fake_url,
+    }
+    asgi_servers = _asgi_servers(py) if args.servers else {}
     router = (str(args.router_bin), "--vllm-pd-disaggregation",
               "--prefill", f"http://localhost:{FAKE_PORT}", "--decode", fake_url,
               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ROUTER_PORT),
@@ -282,6 +310,7 @@ def main() -> int:
         "gateway",
         *(["gateway-redis"] if with_redis else []),
         *(["router"] if with_router else []),
+        *asgi_servers,
     ]
     with_cid = ["gateway+cid", *(["gateway-redis+cid"] if with_redis else [])]
     results: dict[tuple[bool, int], dict[str, dict[str, Any]]] = {}
@@ -292,7 +321,10 @@ def main() -> int:
         server(*redis, port=REDIS_PORT, http=False) if with_redis else _nothing(),
         server(*gateway_redis, port=GATEWAY_REDIS_PORT) if with_redis else _nothing(),
         server(*router, port=ROUTER_PORT) if with_router else _nothing(),
+        contextlib.ExitStack() as stack,
     ):
+        for kind, command in asgi_servers.items():
+            stack.enter_context(server(*command, port=SERVER_PORTS[kind], env=asgi_env))
         for stream in (False, True):
             if with_router:
                 check_router_does_pd(stream)
@@ -307,7 +339,61 @@ def main() -> int:
     took = time.monotonic() - started
     servers = {"fake": fake, "gateway": gateway, "router": router, "redis": gateway_redis}
     write_results(args, results, counts, rounds, took, servers, with_router, with_redis)
+    if asgi_servers:
+        write_server_results(args.out, results, asgi_servers)
     return 0
+
+
+def _asgi_servers(py: str) -> dict[str, tuple[str, ...]]:
+    """Commands serving the gateway app whole (one worker each, uvloop)."""
+    uvicorn = (py, "-m", "uvicorn", "--factory", "--app-dir", "benchmarks", "asgi_gateway:app",
+               "--loop", "uvloop", "--log-level", "warning", "--no-access-log")  # fmt: skip
+    commands: dict[str, tuple[str, ...]] = {
+        "uvicorn-httptools": (*uvicorn, "--http", "httptools",
+                              "--port", str(SERVER_PORTS["uvicorn-httptools"])),
+        "uvicorn-h11": (*uvicorn, "--http", "h11", "--port", str(SERVER_PORTS["uvicorn-h11"])),
+    }  # fmt: skip
+    granian = Path(py).parent / "granian"
+    if granian.exists():
+        commands["granian"] = (
+            str(granian), "--interface", "asgi", "--factory", "--loop", "uvloop",
+            "--workers", "1", "--no-ws", "--log-level", "warning", "--no-access-log",
+            "--host", "127.0.0.1", "--port", str(SERVER_PORTS["granian"]),
+            "benchmarks.asgi_gateway:app",
+        )  # fmt: skip
+    return commands
+
+
+def write_server_results(
+    out: Path,
+    results: dict[tuple[bool, int], dict[str, dict[str, Any]]],
+    asgi_servers: dict[str, tuple[str, ...]],
+) -> None:
+    """The gateway app under each HTTP server: added p50 and req/s, beside the gateway's own."""
+    kinds = ["gateway", *asgi_servers]
+    lines = [
+        "",
+        "## The gateway app under maintained ASGI servers (same run)",
+        "",
+        "The same app (`kvturn.gateway.app.create_app`), one process each on uvloop: the "
+        "gateway's own HTTP server (`kvturn serve`), and the app served whole by:",
+        "",
+        *(f"- {kind}: `{_shown(command)}`" for kind, command in asgi_servers.items()),
+        "",
+        "| streamed | concurrency | "
+        + " | ".join(f"{k} added p50 | {k} req/s" for k in kinds)
+        + " |",
+        "|---|---|" + "---|---|" * len(kinds),
+    ]
+    for (stream, c), found in results.items():
+        d = found["direct"]
+        cells = " | ".join(
+            f"{found[k]['p50_ms'] - d['p50_ms']:+.3f} | {found[k]['rps']:.0f}" for k in kinds
+        )
+        lines.append(f"| {'yes' if stream else 'no'} | {c} | {cells} |")
+    with out.open("a") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def write_results(
@@ -321,7 +407,7 @@ def write_results(
     with_redis: bool,
 ) -> None:
     fake, gateway, router = servers["fake"], servers["gateway"], servers["router"]
-    quick = " --quick" if args.quick else ""
+    quick = (" --quick" if args.quick else "") + (" --servers" if args.servers else "")
     lines = [
         "# Router overhead against a fast fake upstream (P/D mode)"
         + (" — QUICK smoke run: few requests, noisy" if args.quick else ""),

@@ -8,6 +8,13 @@ uvicorn's ASGI cycle took the gateway's CPU per request from about 300 to 230 µ
 added latency at concurrency 1 down by about 0.1 ms: no scope dicts, no ``send``/``receive``
 round trips, and each reply leaves in one ``write`` (uvicorn writes the head and the body
 separately). The rest of the gateway's routes are cold and keep the full ASGI stack.
+Measured again on 2026-12-02 (``benchmarks/gateway_overhead.py --servers``, one run, the same
+app served whole by maintained servers): uvicorn with httptools added 0.08 ms more at
+concurrency 1 (0.10 ms streamed) and served 13% fewer requests/s at concurrency 32 (15%
+streamed); granian 2.8.7 added 0.21 ms more (0.40 ms) at 11% (25%) fewer; uvicorn with h11
+0.22 ms (0.43 ms) more at 39% (47%) fewer. uvicorn with httptools sits at the edge of "within
+0.1 ms and 20%", inside this machine's run-to-run noise (about ±0.2 ms that day): the choice
+between it and this module waits for repeated runs (see benchmarks/results/gateway_overhead.md).
 
 What it does as an HTTP server: keep-alive with an idle timeout, pipelined requests
 answered in order, ``Expect: 100-continue``, HTTP/1.0 clients (no chunked replies, closed
