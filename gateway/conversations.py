@@ -551,13 +551,16 @@ class RedisConversations:
     async def take(
         self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
     ) -> Taken:
-        # One round trip unless a reply is being recorded: then poll until it is, or until
-        # ``wait_s`` (a mark older than that is one whose record never came: not waited for).
+        # One round trip unless a reply is being recorded: then poll until it is, for up to
+        # ``wait_s``. A reply is marked as it starts, so the mark may be as old as the reply
+        # is long: any mark younger than an entry's lifetime counts (one left by a gateway
+        # that died mid-turn costs the next turn ``wait_s``, and the next record clears it).
         keys = (self._key(key), self._live, self._seen)
         epoch = int.from_bytes(os.urandom(7))
         deadline = time.monotonic() + wait_s
         while True:
-            window = "" if wait_s <= 0 or time.monotonic() >= deadline else wait_s
+            waiting = wait_s > 0 and time.monotonic() < deadline
+            window = self.ttl_ms / 1000 if waiting else ""
             args = (conversation_id, turn_id or "", self.clock(), self.ttl_ms, epoch, window)
             raw = await self._call("take", self._take, keys, args)
             if len(raw) != 2 or _text(raw[0]) != "settling":

@@ -192,9 +192,11 @@ async def test_counts_of_entries_and_live_leases(table: tuple[ConversationTable,
 async def test_a_next_turn_waits_for_a_reply_under_way_and_no_longer(
     table: tuple[ConversationTable, Clock],
 ) -> None:
-    store, _ = table
+    store, clock = table
     first = await store.take("k", "conv", None)
     await _settling(store, "k", first.turn)
+    # A long reply: marked as it started, 30 s before it ended and the next turn came.
+    clock.now += 30
     loop = asyncio.get_running_loop()
 
     async def record_soon() -> None:
