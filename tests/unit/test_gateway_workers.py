@@ -44,6 +44,15 @@ def _workers(supervisor: int) -> set[int]:
     return found
 
 
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (its sockets closed) that its parent has not reaped yet."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return any(line.startswith("State:") and "Z" in line.split()[1] for line in status.splitlines())
+
+
 def _wait(predicate: object, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():  # type: ignore[operator]
@@ -110,6 +119,8 @@ def test_workers_share_one_port_and_one_table(fake_url: str, redis_server: Redis
         # A worker killed outright: the supervisor starts another; turns go on meanwhile.
         victim = min(_workers(process.pid))
         os.kill(victim, signal.SIGKILL)
+        # Until it has exited, its listening socket may still be handed connections.
+        _wait(lambda: _exited(victim), 10, "the killed worker exits")
         plans = [_turn(url, "shared") for _ in range(4)]
         assert set(plans) <= {"pull-reuse", "recompute"}
         _wait(lambda: len(_workers(process.pid) - {victim}) == 2, 30, "a new worker runs")
