@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvturn.gateway.response_store import StateUnavailable
+from kvturn.gateway.response_store import StateUnavailable, uses_redis
 
 logger = logging.getLogger("kvturn.gateway.state")
 
@@ -686,12 +686,11 @@ def conversation_table(
     on_error: Callable[[str], None] | None = None,
     timeout_s: float = 0.5,
 ) -> ConversationTable:
-    """The table a gateway's ``state`` setting names: None/``memory`` or ``redis://…``."""
-    if url is None or url in ("", "memory"):
-        return ConversationStore(max_conversations)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    """The table a gateway's ``state`` setting names (:func:`~.response_store.uses_redis`)."""
+    if uses_redis(url):
+        assert url is not None
         return RedisConversations(url, idle_s, timeout_s=timeout_s, on_error=on_error)
-    raise ValueError(f"unknown state store {url!r}: use 'memory' or a redis:// URL")
+    return ConversationStore(max_conversations)
 
 
 def salt_digest(cache_salt: object) -> bytes | None:

@@ -200,12 +200,22 @@ class RedisResponseStore:
         await self._redis.aclose()
 
 
+def uses_redis(url: str | None) -> bool:
+    """Whether a gateway's ``state`` setting names Redis (``redis://…``, ``rediss://…``,
+    ``unix://…``) rather than this process (``None``, ``""``, ``memory``); anything else is
+    an error that names it."""
+    if url is None or url in ("", "memory"):
+        return False
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return True
+    raise ValueError(f"unknown state store {url!r}: use 'memory' or a redis:// URL")
+
+
 def response_store(
     url: str | None, max_entries: int, ttl_s: float, on_error: Any = None
 ) -> ResponseStore:
-    """The store a gateway's ``state`` setting names: None (in process) or ``redis://…``."""
-    if url is None or url in ("", "memory"):
-        return MemoryResponseStore(max_entries, ttl_s)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    """The store a gateway's ``state`` setting names (:func:`uses_redis`)."""
+    if uses_redis(url):
+        assert url is not None
         return RedisResponseStore(url, ttl_s, on_error=on_error)
-    raise ValueError(f"unknown state store {url!r}: use 'memory' or a redis:// URL")
+    return MemoryResponseStore(max_entries, ttl_s)

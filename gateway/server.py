@@ -25,6 +25,7 @@ import uvloop
 from kvturn.gateway.app import GatewayApp, create_app
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http_server import HttpServer
+from kvturn.gateway.response_store import uses_redis
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -95,7 +96,7 @@ class GatewayWorkers:
     def __init__(self, config: GatewayConfig, host: str, port: int, workers: int):
         if port == 0:
             raise ValueError("workers share one port: give a port, not 0")
-        if config.state in (None, "", "memory"):
+        if not uses_redis(config.state):
             logger.warning(
                 "%d workers with in-process state: each worker has its own conversation table, "
                 "so a turn reuses KV only when the worker that served the previous turn gets "
