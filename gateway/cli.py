@@ -1,4 +1,6 @@
-"""The ``kvturn`` command: ``up`` (local engines), ``models`` (build local models)."""
+"""The ``kvturn`` command: ``up`` (local engines and gateway), ``serve`` (the gateway in front
+of running engines), ``engine`` (one engine on a host of a deployment), ``models`` (build local
+models), ``top`` (watch a gateway)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import ipaddress
 import json
 import os
 import secrets
+import shlex
 import signal
 import sys
 import time
@@ -21,6 +24,7 @@ from kvturn.gateway.launch.engines import (
     EngineError,
     EngineSpec,
     KVSettings,
+    max_positions,
     plan_specs,
     start_engines,
 )
@@ -34,7 +38,9 @@ CPU_BLOCK_TOKENS = 128
 def _resolve_model(name_or_path: str) -> tuple[Path, str]:
     if name_or_path in MODEL_NAMES:
         print(
-            f"kvturn: preparing local model {name_or_path!r} (built once, then cached)", flush=True
+            f"kvturn: preparing local model {name_or_path!r} (built once, then cached)",
+            file=sys.stderr,
+            flush=True,
         )
         return ensure_model(name_or_path), name_or_path
     path = Path(name_or_path)
@@ -88,6 +94,67 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
     return specs
 
 
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    """The engine ``kvturn engine`` runs for these arguments."""
+    if args.model in MODEL_NAMES or (Path(args.model) / "config.json").exists():
+        model, served_name = _resolve_model(args.model)
+        ours = args.model in MODEL_NAMES
+    else:  # a Hugging Face model id, or a path the engine's own host resolves
+        model, served_name, ours = Path(args.model), args.model, False
+    served_name = args.served_model_name or served_name
+    role = args.role
+    return EngineSpec(
+        role=role,
+        model=model,
+        port=args.port,
+        cpu=args.cpu,
+        side_channel_port=args.side_channel_port,
+        control_port=args.control_port if role == "decode" else 0,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        device=args.device,
+        served_model_name=served_name,
+        kv=KVSettings(
+            decoder_kv_blocks_ttl_s=args.kv_ttl, kv_recompute_threshold=args.recompute_threshold
+        ),
+        dtype=args.dtype or ("float32" if ours else "auto"),
+        max_model_len=args.max_model_len or min(20480, max_positions(model)),
+        kv_cache_gb=args.kv_cache_gb,
+        # Prefill pools rarely still hold a conversation's prefix (see plan_specs); decode's
+        # prefix cache serves decode-local turns.
+        prefix_caching=role == "decode",
+        # kvturn's test models need its chat template and tool parser; other models bring
+        # their own (pass their engine flags after --).
+        kvturn_chat_template=ours,
+        enable_tools=ours,
+        extra_args=tuple(a for a in args.engine_args if a != "--"),
+    )
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    """Run one engine in place (``exec``: its pid is this process's), or print its command."""
+    try:
+        spec = engine_spec(args)
+    except ValueError as error:
+        raise SystemExit(f"kvturn engine: {error}") from None
+    argv, env = spec.command(), spec.environment()
+    if args.print:
+        changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items())))
+        print(shlex.join(argv))
+        return 0
+    if spec.role == "decode" and CONTROL_SECRET_ENV not in env:
+        print(
+            f"kvturn engine: {CONTROL_SECRET_ENV} is not set: this decode's control channel "
+            "(lease renew/release) is open to anyone who can reach its port",
+            file=sys.stderr,
+        )
+    if spec.cpu is not None:
+        os.sched_setaffinity(0, {spec.cpu})
+    sys.stdout.flush()
+    os.execve(argv[0], argv, env)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     model, served_name = _resolve_model(args.model)
     specs = engine_specs(args, model, served_name)
@@ -114,7 +181,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 prefill=endpoints([e.spec.url for e in deployment.prefill]),
                 decode=endpoints(
                     [e.spec.url for e in deployment.decode],
-                    [f"http://127.0.0.1:{e.spec.control_port}" for e in deployment.decode],
+                    [e.spec.control_url or "" for e in deployment.decode],
                 ),
                 lease_s=args.lease_s,
                 reuse_threshold_tokens=args.recompute_threshold,
@@ -134,9 +201,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "gateway": f"{gateway.url}/v1" if gateway else None,
             "prefill": [e.spec.url for e in deployment.prefill],
             "decode": [e.spec.url for e in deployment.decode],
-            "decode_control": [
-                f"http://127.0.0.1:{e.spec.control_port}" for e in deployment.decode
-            ],
+            "decode_control": [e.spec.control_url for e in deployment.decode],
             "pids": [e.pid for e in deployment.engines],
             "launcher_pid": os.getpid(),
             "control_secret": os.environ[CONTROL_SECRET_ENV],
@@ -208,6 +273,10 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "responses_ttl_s": (float, "how long a stored Responses API response is kept, seconds"),
     "state": (str, "stored state: memory (this process) or redis://host:port/db (shared)"),
     "state_timeout_s": (float, "longest wait on the state store per operation, seconds"),
+    "decode_control_port": (
+        int,
+        "control port of decodes given without a control URL: http://<decode host>:<port>",
+    ),
 }
 
 
@@ -335,6 +404,41 @@ def build_parser() -> argparse.ArgumentParser:
             flag, dest=name, type=kind, default=None, help=f"{text} (env KVTURN_{name.upper()})"
         )
     srv.set_defaults(func=cmd_serve)
+
+    eng = sub.add_parser(
+        "engine",
+        help="run one vLLM engine with kvturn's connector on this host (for your own hosts)",
+        description="Run one prefill or decode engine in place, with the flags and variables "
+        "kvturn's engines need, bound to and advertising this host's address. Flags for vLLM "
+        "itself go after --.",
+    )
+    eng.add_argument("--role", choices=("prefill", "decode"), required=True)
+    eng.add_argument(
+        "--model", required=True,
+        help="tiny or smollm2 (kvturn's local models), a model directory, or a model id",
+    )  # fmt: skip
+    eng.add_argument("--served-model-name", default=None, help="the name clients ask for")
+    eng.add_argument("--host", default="127.0.0.1", help="listen address (API and control)")
+    eng.add_argument(
+        "--advertise-host", default=None,
+        help="the address peers reach this engine at (default --host; needed with 0.0.0.0)",
+    )  # fmt: skip
+    eng.add_argument("--port", type=int, default=8000, help="the engine's API port")
+    eng.add_argument("--side-channel-port", type=int, default=5600, help="NIXL side channel")
+    eng.add_argument(
+        "--control-port", type=int, default=8300,
+        help="decode only: kvturn's lease control server (KVTURN_CONTROL_SECRET guards it)",
+    )  # fmt: skip
+    eng.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="KV cache device")
+    eng.add_argument("--cpu", type=int, default=None, help="pin the engine to this core")
+    eng.add_argument("--dtype", default=None, help="default: float32 for kvturn's models")
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--kv-cache-gb", type=int, default=2, help="CPU KV cache, GiB")
+    eng.add_argument("--kv-ttl", type=int, default=480, help="longest decode lease, seconds")
+    eng.add_argument("--recompute-threshold", type=int, default=64, help="min tokens to pull")
+    eng.add_argument("--print", action="store_true", help="print the command, do not run it")
+    eng.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then vLLM's own flags")
+    eng.set_defaults(func=cmd_engine)
 
     models = sub.add_parser("models", help="build the local models (tiny, smollm2)")
     models.add_argument("names", nargs="*", help=f"any of {', '.join(MODEL_NAMES)} (default all)")

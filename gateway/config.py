@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvturn.gateway.auth import ApiKeys
 
@@ -81,6 +82,10 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     #: How long to wait, after a decode reply ends, for its connector to publish the retained KV.
     publish_wait_s: float = 0.5
+    #: Decode engines given without a control URL have their kvturn control server at this
+    #: port of their own host (``kvturn engine``'s default is 8300); 0: such decodes have none
+    #: (stock engines: no leases, no reuse from them).
+    decode_control_port: int = 0
     #: The secret decode engines' kvturn control servers require (``KVTURN_CONTROL_SECRET``).
     control_secret: str | None = field(default=None, repr=False)
     #: The API keys callers must present, each naming a tenant (none: the gateway is open).
@@ -126,6 +131,7 @@ class GatewayConfig:
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
             "implicit_conversations": parse_flag, "state": str, "state_timeout_s": float,
+            "decode_control_port": int,
         }  # fmt: skip
         for name, kind in typed.items():
             value = os.environ.get(f"KVTURN_{name.upper()}")
@@ -146,6 +152,10 @@ class GatewayConfig:
         if not keys.open:
             env["api_keys"] = keys
         env.update({k: v for k, v in overrides.items() if v is not None})
+        port = int(env.get("decode_control_port") or 0)  # type: ignore[call-overload]
+        if port:
+            decodes: tuple[EngineEndpoint, ...] = env.get("decode", ())  # type: ignore[assignment]
+            env["decode"] = with_control_port(decodes, port)
         return cls(**env)  # type: ignore[arg-type]
 
 
@@ -157,6 +167,19 @@ def parse_flag(value: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {value!r}")
+
+
+def with_control_port(decodes: tuple[EngineEndpoint, ...], port: int) -> tuple[EngineEndpoint, ...]:
+    """Each decode given without a control URL gets ``http://<its host>:<port>``: the
+    convention ``kvturn engine`` follows, so a deployment lists its engines once."""
+    named = []
+    for decode in decodes:
+        if decode.control_url is None:
+            host = urlsplit(decode.url).hostname or "127.0.0.1"
+            host = f"[{host}]" if ":" in host else host
+            decode = EngineEndpoint(decode.url, f"http://{host}:{port}")
+        named.append(decode)
+    return tuple(named)
 
 
 def endpoints(urls: list[str], control_urls: list[str] | None = None) -> tuple[EngineEndpoint, ...]:

@@ -21,6 +21,10 @@ gateway listens, its API keys and any gateway setting by the name ``kvturn serve
     url = "http://10.0.0.2:8000"
     control_url = "http://10.0.0.2:8300"  # the connector's kvturn_control_port
 
+A decode listed without ``control_url`` has none, unless ``[gateway] decode_control_port`` is
+set: then its control server is that port of the decode's own host (``kvturn engine``'s
+convention, default 8300), and each engine is listed once, by its URL alone.
+
 Precedence, lowest first: the defaults, the file, ``KVTURN_*`` variables, flags. Secrets
 (the control secret, the engines' API key) stay in the environment, never in the file. An
 unknown key is an error that names it, so a typo never silently falls back to a default.

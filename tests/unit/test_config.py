@@ -181,3 +181,79 @@ def test_deployment_file_mistakes_are_named(
     with pytest.raises(SystemExit) as caught:
         _serve_settings(["--config", str(path)])
     assert message in str(caught.value)
+
+
+def test_decodes_listed_once_find_their_control_servers_by_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVTURN_DECODE_URLS", "KVTURN_DECODE_CONTROL_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "kvturn.toml"
+    path.write_text(
+        "[gateway]\ndecode_control_port = 8300\n"
+        "[[prefill]]\nurl = 'http://10.0.0.1:8000'\n"
+        "[[decode]]\nurl = 'http://10.0.0.2:8000'\n"
+        "[[decode]]\nurl = 'http://[fd00::3]:8000'\n"
+        "[[decode]]\nurl = 'http://10.0.0.4:8000'\ncontrol_url = 'http://10.0.0.9:9000'\n"
+    )
+    config, *_ = _serve_settings(["--config", str(path)])
+    assert [e.control_url for e in config.decode] == [
+        "http://10.0.0.2:8300",
+        "http://[fd00::3]:8300",
+        "http://10.0.0.9:9000",  # one given is kept
+    ]
+    # Without the setting, a decode listed without one has none (a stock engine).
+    config, *_ = _serve_settings(["--prefill", "http://p:1", "--decode", "http://d:2"])
+    assert config.decode[0].control_url is None
+    config, *_ = _serve_settings(
+        ["--prefill", "http://p:1", "--decode", "http://d:2", "--decode-control-port", "7"]
+    )
+    assert config.decode[0].control_url == "http://d:7"
+
+
+def test_kvturn_engine_runs_an_engine_on_its_hosts_address(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvturn.gateway.cli import engine_spec, main
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    args = build_parser().parse_args(
+        ["engine", "--role", "decode", "--model", str(tmp_path), "--host", "0.0.0.0",
+         "--advertise-host", "10.0.0.2", "--control-port", "8301", "--kv-ttl", "90",
+         "--", "--max-num-seqs", "4"]
+    )  # fmt: skip
+    spec = engine_spec(args)
+    command, env = spec.command(), spec.environment({})
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.2"  # where peers reach it
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env  # no --cpu: no pinning
+    assert (spec.url, spec.control_url) == ("http://10.0.0.2:8000", "http://10.0.0.2:8301")
+    config = json.loads(command[command.index("--kv-transfer-config") + 1])
+    extra = config["kv_connector_extra_config"]
+    assert (config["kv_role"], config["kv_buffer_device"]) == ("kv_consumer", "cpu")
+    assert (extra["kvturn_control_port"], extra["kvturn_control_host"]) == (8301, "0.0.0.0")
+    assert extra["decoder_kv_blocks_ttl"] == 90
+    assert command[-2:] == ["--max-num-seqs", "4"]
+    # A model of the user's own brings its own template and tool parser; dtype as vLLM picks.
+    assert "--chat-template" not in command and "--tool-call-parser" not in command
+    assert command[command.index("--dtype") + 1] == "auto"
+    assert "--no-enable-prefix-caching" not in command  # decode's prefix cache: local turns
+
+    # GPU: no CPU-only settings.
+    argv = ["engine", "--role", "prefill", "--device", "cuda", "--host", "10.0.0.1", "--model"]
+    gpu = engine_spec(build_parser().parse_args([*argv, str(tmp_path)]))
+    command, env = gpu.command(), gpu.environment({})
+    config = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert config["kv_buffer_device"] == "cuda" and config["kv_role"] == "kv_producer"
+    assert "kvturn_nixl_progress_delay_us" not in config["kv_connector_extra_config"]
+    assert "kvturn_control_port" not in config["kv_connector_extra_config"]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and "--no-enable-prefix-caching" in command
+
+    # Listening everywhere without saying where peers reach it is refused, by name.
+    with pytest.raises(SystemExit, match="advertise_host"):
+        main(["engine", "--role", "decode", "--model", str(tmp_path), "--host", "0.0.0.0"])
+    # --print shows what would run.
+    assert main(["engine", "--role", "prefill", "--model", str(tmp_path), "--print"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1" in printed[0]
+    assert printed[1].split()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
