@@ -13,8 +13,20 @@ app served whole by maintained servers): uvicorn with httptools added 0.08 ms mo
 concurrency 1 (0.10 ms streamed) and served 13% fewer requests/s at concurrency 32 (15%
 streamed); granian 2.8.7 added 0.21 ms more (0.40 ms) at 11% (25%) fewer; uvicorn with h11
 0.22 ms (0.43 ms) more at 39% (47%) fewer. uvicorn with httptools sits at the edge of "within
-0.1 ms and 20%", inside this machine's run-to-run noise (about ±0.2 ms that day): the choice
-between it and this module waits for repeated runs (see benchmarks/results/gateway_overhead.md).
+0.1 ms and 20%", inside this machine's run-to-run noise (about ±0.2 ms that day; see
+benchmarks/results/gateway_overhead.md).
+
+It is kept because of what the same servers do under the attack cases this module answers
+(``benchmarks/http_robustness.py``, 2026-12-02, each with its closest settings to this
+server's read deadline and connection cap; benchmarks/results/http_robustness.md): uvicorn with
+httptools left a trickled head and a trickled body open past 20 s, buffered a 64 MB header line
+whole and answered it 200 (+128 MB peak memory, 5.4 s of CPU, ``/health`` at 1.9 s for
+everyone meanwhile), closed new connections unanswered past 1,100 idle ones (no 503), and let
+a chunked trailer become the conversation id; uvicorn with h11 and granian each left at least
+the trickled body open, and no ASGI server cancels a non-streamed turn's engine request when its
+client leaves (that is this module's, through the turn path it serves). Here every case is
+bounded: 408 at the read deadline, 431 after 3.2 MB, a 503 past the cap, the engine request
+cancelled within 0.5 s, trailers ignored.
 
 What it does as an HTTP server: keep-alive with an idle timeout, pipelined requests
 answered in order, ``Expect: 100-continue``, HTTP/1.0 clients (no chunked replies, closed
