@@ -118,7 +118,9 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
             decoder_kv_blocks_ttl_s=args.kv_ttl, kv_recompute_threshold=args.recompute_threshold
         ),
         dtype=args.dtype or ("float32" if ours else "auto"),
-        max_model_len=args.max_model_len or min(20480, max_positions(model)),
+        # A model id resolved on the engine's own host: vLLM's default length (the model's).
+        max_model_len=args.max_model_len
+        or (min(20480, max_positions(model)) if (model / "config.json").exists() else 0),
         kv_cache_gb=args.kv_cache_gb,
         # Prefill pools rarely still hold a conversation's prefix (see plan_specs); decode's
         # prefix cache serves decode-local turns.

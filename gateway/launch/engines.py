@@ -139,10 +139,11 @@ class EngineSpec:
             "--host", self.host,
             "--port", str(self.port),
             "--dtype", self.dtype,
-            "--max-model-len", str(self.max_model_len),
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        if self.max_model_len:  # 0: vLLM's default, the model's own
+            argv += ["--max-model-len", str(self.max_model_len)]
         if self.kvturn_chat_template:
             argv += ["--chat-template", str(chat_template_path())]
         if not self.prefix_caching:

@@ -238,6 +238,14 @@ def test_kvturn_engine_runs_an_engine_on_its_hosts_address(
     assert "--chat-template" not in command and "--tool-call-parser" not in command
     assert command[command.index("--dtype") + 1] == "auto"
     assert "--no-enable-prefix-caching" not in command  # decode's prefix cache: local turns
+    assert command[command.index("--max-model-len") + 1] == "4096"  # the model's own, local
+
+    # A model id the engine's host resolves: no local config, so vLLM's own length.
+    argv = ["engine", "--role", "decode", "--model", "org/some-model", "--host", "10.0.0.2"]
+    remote = engine_spec(build_parser().parse_args(argv))
+    assert "--max-model-len" not in remote.command()
+    assert remote.command()[remote.command().index("--model") + 1] == "org/some-model"
+    assert remote.served_model_name == "org/some-model"
 
     # GPU: no CPU-only settings.
     argv = ["engine", "--role", "prefill", "--device", "cuda", "--host", "10.0.0.1", "--model"]
