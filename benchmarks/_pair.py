@@ -1,19 +1,76 @@
-"""Shared helpers for benchmarks: a local engine pair through ``kvturn up``, CPU accounting."""
+"""Shared helpers for benchmarks: a local engine pair through ``kvturn up``, a server process
+for the length of a block, CPU accounting."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shown(command: tuple[str, ...]) -> str:
+    """A command as a shell line, paths inside the repository made relative."""
+    return shlex.join(os.path.relpath(part, ROOT) if part.startswith(str(ROOT)) else part
+                      for part in command)  # fmt: skip
+
+
+@contextlib.contextmanager
+def server(
+    *command: str,
+    port: int,
+    http: bool = True,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` running (from the repository root) until the block ends, once it answers
+    ``/health`` (or, not ``http``, once it accepts connections); yields its process."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=preexec_fn,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if not http:
+                        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                        break
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except (httpx.HTTPError, OSError):
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-3000:]
+                    raise RuntimeError(f"{shown(command)} did not come up on :{port}\n{tail}")
+                time.sleep(0.1)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @contextlib.contextmanager

@@ -28,13 +28,10 @@ import asyncio
 import contextlib
 import math
 import os
-import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +44,9 @@ import uvloop
 
 from kvturn.gateway.http1 import HttpClient
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pair import server, shown
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.md"
@@ -90,51 +90,6 @@ exporter defaults to port 29000, the gateway's port here, hence `--prometheus-po
 round robin is the cheapest. Before its measurements, 300 requests through vllm-router check
 the fake's `/fake/counts`: exactly one prefill and one decode per request.
 """
-
-
-def _shown(command: tuple[str, ...]) -> str:
-    return shlex.join(os.path.relpath(part, ROOT) if part.startswith(str(ROOT)) else part
-                      for part in command)  # fmt: skip
-
-
-@contextmanager
-def server(
-    *command: str, port: int, http: bool = True, env: dict[str, str] | None = None
-) -> Iterator[None]:
-    """``command`` running until the block ends, once it answers ``/health`` (or, not
-    ``http``, once it accepts connections)."""
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if not http:
-                        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                        break
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except (httpx.HTTPError, OSError):
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace")[-3000:]
-                    raise RuntimeError(f"{_shown(command)} did not come up on :{port}\n{tail}")
-                time.sleep(0.1)
-            yield
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 async def one_direct(client: HttpClient, stream: bool) -> float:
@@ -378,7 +333,7 @@ def write_server_results(
         "The same app (`kvturn.gateway.app.create_app`), one process each on uvloop: the "
         "gateway's own HTTP server (`kvturn serve`), and the app served whole by:",
         "",
-        *(f"- {kind}: `{_shown(command)}`" for kind, command in asgi_servers.items()),
+        *(f"- {kind}: `{shown(command)}`" for kind, command in asgi_servers.items()),
         "",
         "| streamed | concurrency | "
         + " | ".join(f"{k} added p50 | {k} req/s" for k in kinds)
@@ -429,13 +384,13 @@ def write_results(
         "",
         "Servers:",
         "",
-        f"- fake engine (prefill and decode, canned answers): `{_shown(fake)}`",
-        f"- kvturn gateway: `{_shown(gateway)}`",
+        f"- fake engine (prefill and decode, canned answers): `{shown(fake)}`",
+        f"- kvturn gateway: `{shown(gateway)}`",
         f"- kvturn gateway, state in Redis ({_redis_version()}, loopback, no persistence): "
-        f"`{_shown(servers['redis'])}`"
+        f"`{shown(servers['redis'])}`"
         if with_redis
         else "- kvturn gateway with Redis state: not measured",
-        f"- vllm-router {router_version(args.router_bin)}: `{_shown(router)}`"
+        f"- vllm-router {router_version(args.router_bin)}: `{shown(router)}`"
         if with_router
         else "- vllm-router: not measured",
         "",

@@ -17,16 +17,17 @@ import contextlib
 import os
 import resource
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import orjson
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pair import server
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "http_robustness.md"
@@ -78,34 +79,6 @@ def _usual_fd_limit() -> None:
     resource.setrlimit(
         resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     )
-
-
-@contextlib.contextmanager
-def running(command: tuple[str, ...], port: int, env: dict[str, str]) -> Iterator[int]:
-    """``command`` until the block ends, once ``/health`` answers; yields its pid."""
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, **env}, preexec_fn=_usual_fd_limit,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code < 500:
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"{command} did not start:\n{log.read()[-2000:]!r}")
-                time.sleep(0.1)
-            yield proc.pid
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 # ---- HTTP/1.1 by hand ------------------------------------------------------------------------
@@ -350,9 +323,10 @@ def main() -> int:
     }
     servers = commands(py)
     found: dict[str, dict[str, str]] = {}
-    with running(fake, FAKE_PORT, {}):
+    with server(*fake, port=FAKE_PORT):
         for name, (command, _) in servers.items():
-            with running(command, PORTS[name], env) as pid:
+            with server(*command, port=PORTS[name], env=env, preexec_fn=_usual_fd_limit) as proc:
+                pid = proc.pid
                 found[name] = {}
                 for case, run in CASES.items():
                     try:

@@ -92,16 +92,16 @@ class EngineSpec:
 
     @property
     def url(self) -> str:
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"http://{host}:{self.port}"
+        return self._http(self.port)
 
     @property
     def control_url(self) -> str | None:
         """Decode's kvturn control server, as the gateway reaches it."""
-        if not self.control_port:
-            return None
+        return self._http(self.control_port) if self.control_port else None
+
+    def _http(self, port: int) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"http://{host}:{self.control_port}"
+        return f"http://{host}:{port}"
 
     @property
     def name(self) -> str:
