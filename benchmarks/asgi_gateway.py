@@ -4,10 +4,12 @@ HTTP server. Configured from ``KVTURN_*`` variables, as ``kvturn serve`` is."""
 
 from __future__ import annotations
 
-from kvturn.gateway.app import GatewayApp, create_app
+from starlette.applications import Starlette
+
+from kvturn.gateway.app import create_app
 from kvturn.gateway.config import GatewayConfig
 
 
-def app() -> GatewayApp:
+def app() -> Starlette:
     """An app factory (``uvicorn --factory``, ``granian --factory``)."""
     return create_app(GatewayConfig.from_env())

@@ -174,14 +174,7 @@ TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PAT
 #: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
 _TURN_HEADERS = {
     name.lower().encode("latin-1"): name
-    for name in (
-        h.CONVERSATION_ID,
-        h.SESSION_ID,
-        h.TURN_ID,
-        h.PAUSE_MS,
-        h.PAUSE_KIND,
-        "Authorization",
-    )
+    for name in (h.CONVERSATION_ID, h.SESSION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND)
 }
 #: Where the authentication middleware leaves the caller's tenant in the ASGI scope.
 TENANT_SCOPE_KEY = "kvturn.tenant"
@@ -209,33 +202,30 @@ class Authenticate:
         await self.app(scope, receive, send)
 
 
-class GatewayApp:
-    """The gateway as an ASGI app. The turn endpoints (the hot path) are answered here;
-    everything else, lifespan included, goes to the Starlette app (``self.app``).
+class TurnEndpoint:
+    """The turn endpoints (``TURN_PATHS``, POST): a raw ASGI endpoint among the app's routes,
+    so the lifespan and every middleware (authentication, and any an operator adds) apply to
+    turns as to every other route. It skips Starlette's request and response classes: this
+    is the hot path (see :mod:`.replies`)."""
 
-    :mod:`.http_server` serves the turn endpoints straight from the socket and uses this
-    only for the rest; any ASGI server can run it whole."""
-
-    def __init__(self, app: Starlette, gateway: Gateway):
-        self.app = app
+    def __init__(self, gateway: Gateway):
         self.gateway = gateway
-        self.state = app.state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        turn = scope["type"] == "http" and scope.get("path", "") in TURN_PATHS
-        if not turn or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
         try:
             body = await _read_body(receive, self.gateway.config.max_body_bytes)
         except GatewayError as error:
             reply = error_reply(error)
         else:
-            reply = await serve_turn(self.gateway, scope["path"], scope["headers"], body)
+            reply = await serve_turn(
+                self.gateway, scope["path"], scope["headers"], body, scope[TENANT_SCOPE_KEY]
+            )
         await send_reply(reply, receive, send)
 
 
-def create_app(config: GatewayConfig) -> GatewayApp:
+def create_app(config: GatewayConfig) -> Starlette:
+    """The gateway as an ASGI app (``app.state.gateway`` is its :class:`Gateway`); the
+    gateway's own server (:mod:`.http_server`) runs it, lifespan included."""
     gateway = Gateway(config)
 
     @contextlib.asynccontextmanager
@@ -415,12 +405,11 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         return _error(NoHealthyEngine(f"no engine answered {request.url.path}"))
 
     conversations = "/v1" + control.CONVERSATIONS_PATH
+    turn = TurnEndpoint(gateway)
     app = Starlette(
         routes=[
-            # The turn endpoints are served by GatewayApp; listed here for 405s on GET.
-            Route("/v1/chat/completions", _method_not_allowed, methods=["POST"]),
-            Route("/v1/completions", _method_not_allowed, methods=["POST"]),
-            Route(RESPONSES_PATH, _method_not_allowed, methods=["POST"]),
+            # The turns first: the router tries routes in order.
+            *(Route(path, turn, methods=["POST"]) for path in sorted(TURN_PATHS)),
             Route(RESPONSES_PATH + "/{response_id}", stored_response, methods=["GET", "DELETE"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
@@ -440,21 +429,24 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         },
     )
     app.state.gateway = gateway
-    return GatewayApp(app, gateway)
+    return app
 
 
 async def serve_turn(
-    gateway: Gateway, path: str, raw_headers: Iterable[tuple[bytes, bytes]], raw_body: bytes
+    gateway: Gateway,
+    path: str,
+    raw_headers: Iterable[tuple[bytes, bytes]],
+    raw_body: bytes,
+    tenant: str,
 ) -> Reply:
-    """One request to a turn endpoint (``path`` in ``TURN_PATHS``), whatever serves HTTP.
-    ``raw_headers`` as ASGI gives them (lower-case names, bytes)."""
+    """One request to a turn endpoint (``path`` in ``TURN_PATHS``) by an authenticated
+    ``tenant``. ``raw_headers`` as ASGI gives them (lower-case names, bytes)."""
     headers: dict[str, str] = {}
     for name, value in raw_headers:
         wanted = _TURN_HEADERS.get(name)
         if wanted is not None:
             headers[wanted] = value.decode("latin-1")
     try:
-        tenant = gateway.config.api_keys.tenant(headers.get("Authorization"))
         # The fields the gateway reads are checked here; everything else about the request is
         # the engine's to judge: prefill refuses a bad request before any work, with vLLM's
         # own error, which the client gets unchanged.
@@ -591,10 +583,6 @@ def _record_pause(gateway: Gateway, headers: dict[str, str]) -> tuple[str, float
         return None  # nan or inf would poison the histogram (and the decode's pause model)
     gateway.metrics.pauses_by[kind].observe(ms / 1000)
     return kind, ms
-
-
-async def _method_not_allowed(request: Request) -> Response:
-    raise HTTPException(405)  # never reached for POST: GatewayApp answers those
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -1,20 +1,18 @@
-"""The gateway's HTTP/1.1 server: turn requests are served straight from the socket; every
-other request (models, health, metrics, the control API, errors) goes through the Starlette
-app over ASGI.
+"""The gateway's HTTP/1.1 server. Every request, turns included, goes through the gateway's
+ASGI app (:func:`~kvturn.gateway.app.create_app`), so the app's lifespan and middleware apply
+to all of them; the turn endpoints are raw ASGI endpoints inside it (see :mod:`.replies`).
 
-Why not uvicorn for the turns: on the gateway-overhead benchmark (2 cores shared with the
-fake engine and the load generator) serving turns from this protocol instead of through
-uvicorn's ASGI cycle took the gateway's CPU per request from about 300 to 230 µs and its
-added latency at concurrency 1 down by about 0.1 ms: no scope dicts, no ``send``/``receive``
-round trips, and each reply leaves in one ``write`` (uvicorn writes the head and the body
-separately). The rest of the gateway's routes are cold and keep the full ASGI stack.
-Measured again on 2026-12-02 (``benchmarks/gateway_overhead.py --servers``, one run, the same
-app served whole by maintained servers): uvicorn with httptools added 0.08 ms more at
-concurrency 1 (0.10 ms streamed) and served 13% fewer requests/s at concurrency 32 (15%
-streamed); granian 2.8.7 added 0.21 ms more (0.40 ms) at 11% (25%) fewer; uvicorn with h11
-0.22 ms (0.43 ms) more at 39% (47%) fewer. uvicorn with httptools sits at the edge of "within
-0.1 ms and 20%", inside this machine's run-to-run noise (about ±0.2 ms that day; see
-benchmarks/results/gateway_overhead.md).
+Why its own server and not uvicorn or granian: measured on 2026-12-02
+(``benchmarks/gateway_overhead.py --servers``, one run, the same app served whole by
+maintained servers): uvicorn with httptools added 0.08 ms more at concurrency 1 (0.10 ms
+streamed) and served 13% fewer requests/s at concurrency 32 (15% streamed); granian 2.8.7
+added 0.21 ms more (0.40 ms) at 11% (25%) fewer; uvicorn with h11 0.22 ms (0.43 ms) more at
+39% (47%) fewer. uvicorn with httptools sits at the edge of "within 0.1 ms and 20%", inside
+this machine's run-to-run noise (about ±0.2 ms that day; see
+benchmarks/results/gateway_overhead.md). (Turns then skipped the ASGI app on this server;
+since they go through it, this server serves about 10% fewer turns/s at concurrency 32 than
+it did: 3,556 vs 3,925, 6 alternating rounds of one run; most of it Starlette's middleware
+stack, 3,763 without it.)
 
 It is kept because of what the same servers do under the attack cases this module answers
 (``benchmarks/http_robustness.py``, 2026-12-02, each with its closest settings to this
@@ -24,9 +22,9 @@ whole and answered it 200 (+128 MB peak memory, 5.4 s of CPU, ``/health`` at 1.9
 everyone meanwhile), closed new connections unanswered past 1,100 idle ones (no 503), and let
 a chunked trailer become the conversation id; uvicorn with h11 and granian each left at least
 the trickled body open, and no ASGI server cancels a non-streamed turn's engine request when its
-client leaves (that is this module's, through the turn path it serves). Here every case is
-bounded: 408 at the read deadline, 431 after 3.2 MB, a 503 past the cap, the engine request
-cancelled within 0.5 s, trailers ignored.
+client leaves (this server cancels a POST's handler then). Here every case is bounded: 408 at
+the read deadline, 431 after 3.2 MB, a 503 past the cap, the engine request cancelled within
+0.5 s, trailers ignored.
 
 What it does as an HTTP server: keep-alive with an idle timeout, pipelined requests
 answered in order, ``Expect: 100-continue``, HTTP/1.0 clients (no chunked replies, closed
@@ -51,8 +49,9 @@ from urllib.parse import unquote
 
 import httptools
 import orjson
+from asgi_lifespan import LifespanManager
+from starlette.applications import Starlette
 
-from kvturn.gateway.app import TURN_PATHS, GatewayApp, serve_turn
 from kvturn.gateway.errors import (
     BodyTooLarge,
     GatewayError,
@@ -81,20 +80,20 @@ _MAX_PIPELINED = 16  # parsed requests queued per connection before reading paus
 _WRITE_HIGH_WATER = 256 * 1024
 
 
-def header_lines(headers: dict[str, str]) -> list[bytes]:
-    """Response header lines; a name or value that would break the head (CR, LF, NUL; a name
-    that is not a token) is dropped and logged, never written."""
+def header_lines(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """Response header lines, as ASGI gives them; a name or value that would break the head
+    (CR, LF, NUL; a name that is not a token) is dropped and logged, never written."""
     lines = []
-    for name, value in headers.items():
+    for name, value in headers:
         if _UNSAFE_VALUE.search(value) or not _TOKEN.fullmatch(name):
             logger.error("response header %r dropped: its name or value is not safe to send", name)
             continue
-        lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
+        lines.append(b"%s: %s\r\n" % (name, value))
     return lines
 
 
-_UNSAFE_VALUE = re.compile(r"[\r\n\x00]")
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_UNSAFE_VALUE = re.compile(rb"[\r\n\x00]")
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 #: File descriptors kept for the gateway's own connections (engines, Redis, logs).
@@ -384,82 +383,38 @@ class _Connection(asyncio.Protocol):
             error.status = status
             self._write_reply(request, error_reply(error))
             return
-        path, _, _ = request.url.partition(b"?")
-        if request.method == "POST" and path in _TURN_URLS:
-            # The client may leave before the reply starts (a non-streamed turn waits for the
-            # whole reply): then this worker, and with it the turn's engine requests, is
-            # cancelled, not left to run. (A callback on the connection's end, not a task per
-            # turn raced against it: 1 us instead of 22.)
-            worker = asyncio.current_task()
-            assert worker is not None
-
-            def client_left(_: object) -> None:
-                worker.cancel()
-
-            self.gone.add_done_callback(client_left)
-            try:
-                reply = await serve_turn(
-                    self.server.app.gateway, path.decode(), request.headers, request.body
-                )
-            finally:
-                self.gone.remove_done_callback(client_left)
-            if reply.stream is None:
-                self._write_reply(request, reply)
-            else:
-                await self._stream_reply(request, reply)
+        if request.method != "POST":
+            await self._asgi(request)
             return
-        await self._asgi(request)
+        # The client may leave before the reply starts (a non-streamed turn waits for the
+        # whole reply): then this worker, and with it the request's engine work, is cancelled,
+        # not left to run. (A callback on the connection's end, not a task per request raced
+        # against it: 1 us instead of 22.) ASGI servers leave that to the app.
+        worker = asyncio.current_task()
+        assert worker is not None
 
-    def _head(self, request: _Request, status: int, headers: dict[str, str]) -> list[bytes]:
-        head = [_status_line(status), b"date: ", _date(), b"\r\n", *header_lines(headers)]
-        if not request.keep_alive:
-            head.append(b"connection: close\r\n")
-        return head
+        def client_left(_: object) -> None:
+            worker.cancel()
+
+        self.gone.add_done_callback(client_left)
+        try:
+            await self._asgi(request)
+        finally:
+            self.gone.remove_done_callback(client_left)
 
     def _write_reply(self, request: _Request, reply: Reply) -> None:
+        """A reply the server makes itself (a refused request, an error the app did not
+        answer)."""
         if self.closed:
             return
-        head = self._head(request, reply.status, reply.headers)
+        head = [_status_line(reply.status), b"date: ", _date(), b"\r\n"]
+        if not request.keep_alive:
+            head.append(b"connection: close\r\n")
         head.append(
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(reply.body)
         )
         head.append(reply.body)
         self.transport.write(b"".join(head))
-
-    async def _stream_reply(self, request: _Request, reply: Reply) -> None:
-        """Relay the stream as it arrives, chunked (HTTP/1.0: delimited by closing); stop
-        as soon as the client is gone. A stream that arrived whole leaves in one write."""
-        stream = reply.stream
-        assert stream is not None
-        try:
-            chunked = request.version != "1.0"
-            if not chunked:
-                request.keep_alive = False
-            head = self._head(request, reply.status, reply.headers)
-            head.append(
-                b"content-type: text/event-stream; charset=utf-8\r\ncache-control: no-cache\r\n"
-            )
-            head.append(b"transfer-encoding: chunked\r\n\r\n" if chunked else b"\r\n")
-            end = b"0\r\n\r\n" if chunked else b""
-            while True:
-                chunk = await stream.next_chunk()
-                if self.closed:
-                    return
-                if chunk is None:
-                    head.append(end)
-                    self.transport.write(b"".join(head))
-                    return
-                head.append(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
-                if stream.at_end:
-                    head.append(end)
-                    self.transport.write(b"".join(head))
-                    return
-                self.transport.write(b"".join(head))
-                head = []
-                if self.write_paused:
-                    await self._drain()
-        finally:
-            await stream.aclose()
 
     async def _drain(self) -> None:
         while self.write_paused and not self.closed:
@@ -468,22 +423,21 @@ class _Connection(asyncio.Protocol):
         self.drained = None
 
     async def _asgi(self, request: _Request) -> None:
-        """Everything but a turn, through the Starlette app."""
+        """A request, through the ASGI app."""
         raw_path, _, query = request.url.partition(b"?")
         scope = {
             "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "asgi": _ASGI_VERSION,
             "http_version": request.version,
             "method": request.method,
             "scheme": "http",
-            "path": unquote(raw_path.decode("latin-1")),
+            "path": unquote(path) if "%" in (path := raw_path.decode("latin-1")) else path,
             "raw_path": raw_path,
             "query_string": query,
             "root_path": "",
             "headers": request.headers,
             "client": self.client,
             "server": self.local,
-            "state": {},
         }
         body_read = False
         started: dict[str, Any] = {}
@@ -512,9 +466,9 @@ class _Connection(asyncio.Protocol):
             if chunked is None:
                 head = [_status_line(started["status"]), b"date: ", _date(), b"\r\n"]
                 has_length = False
-                for name, value in started["headers"]:
+                for name, _ in started["headers"]:
                     has_length = has_length or name.lower() == b"content-length"
-                    head += [name, b": ", value, b"\r\n"]
+                head += header_lines(started["headers"])
                 if not request.keep_alive:
                     head.append(b"connection: close\r\n")
                 chunked = more and not has_length and request.version != "1.0"
@@ -538,7 +492,7 @@ class _Connection(asyncio.Protocol):
                 await self._drain()
 
         try:
-            await self.server.app.app(scope, receive, send)
+            await self.server.serving(scope, receive, send)
         except Exception:
             logger.exception("unexpected error serving %s %s", request.method, scope["path"])
             if chunked is None and not self.closed:
@@ -586,7 +540,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-_TURN_URLS = frozenset(path.encode() for path in TURN_PATHS)
+_ASGI_VERSION = {"version": "3.0", "spec_version": "2.3"}
 
 
 def _frame(body: bytes, more: bool) -> bytes:
@@ -601,11 +555,12 @@ def _address(value: Any) -> tuple[str, int] | None:
 
 
 class HttpServer:
-    """Serves a :class:`~kvturn.gateway.app.GatewayApp` on ``host:port``."""
+    """Serves the gateway's ASGI app (:func:`~kvturn.gateway.app.create_app`) on
+    ``host:port``, its lifespan included."""
 
     def __init__(
         self,
-        app: GatewayApp,
+        app: Starlette,
         host: str = "127.0.0.1",
         port: int = 8000,
         *,
@@ -614,20 +569,24 @@ class HttpServer:
         reuse_port: bool = False,
     ):
         self.app = app
+        gateway = app.state.gateway
+        #: What serves requests once the lifespan started: the app with its lifespan state.
+        self.serving: Any = app
+        self._lifespan = contextlib.AsyncExitStack()
         #: Listen with ``SO_REUSEPORT``: several worker processes share the port.
         self.reuse_port = reuse_port
         self.host = host
         self.port = port
         self.keep_alive_s = keep_alive_s
         self.max_head_bytes = max_head_bytes
-        self.max_body_bytes = app.gateway.config.max_body_bytes
-        self.body_budget_bytes = app.gateway.config.body_budget_bytes
+        self.max_body_bytes = gateway.config.max_body_bytes
+        self.body_budget_bytes = gateway.config.body_budget_bytes
         #: A request must arrive whole (head and body) this soon after its first byte.
-        self.read_timeout_s = app.gateway.config.read_timeout_s
+        self.read_timeout_s = gateway.config.read_timeout_s
         #: Open connections at once; past it, a new one gets a 503 and is closed. Never more
         #: than the process's file descriptors allow, less what the gateway needs for its own
         #: engine and state connections: past that, every new connection would fail.
-        self.max_connections = _connection_cap(app.gateway.config.max_connections)
+        self.max_connections = _connection_cap(gateway.config.max_connections)
         #: Request body bytes read and not yet served, on every connection.
         self.body_bytes_held = 0
         self.connections: set[_Connection] = set()
@@ -636,9 +595,12 @@ class HttpServer:
         self.loop: asyncio.AbstractEventLoop  # set by start()
 
     async def start(self) -> None:
-        """Start the gateway (engine client, health checks), then listen."""
+        """Run the app's lifespan start-up (the gateway's engine client, health checks),
+        then listen."""
         self.loop = asyncio.get_running_loop()
-        await self.app.gateway.start()
+        # No time limit: start-up waits for the engines' answers, each bounded on its own.
+        lifespan = LifespanManager(self.app, startup_timeout=None, shutdown_timeout=None)
+        self.serving = (await self._lifespan.enter_async_context(lifespan)).app
         try:
             self._server = await self.loop.create_server(
                 lambda: _Connection(self),
@@ -648,7 +610,7 @@ class HttpServer:
                 reuse_port=self.reuse_port or None,
             )
         except OSError:
-            await self.app.gateway.stop()
+            await self._lifespan.aclose()
             raise
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
@@ -669,7 +631,7 @@ class HttpServer:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1)
-        await self.app.gateway.stop()
+        await self._lifespan.aclose()
 
 
 __all__ = ["HttpServer"]

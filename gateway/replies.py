@@ -2,7 +2,8 @@
 
 The turn endpoints are the gateway's hot path: they skip Starlette's response classes (and,
 for streams, the task group Starlette runs per streamed response) and send ASGI messages
-directly.
+directly. A reply that is whole when it goes out (a JSON body, or a stream that arrived at
+once) is one ``http.response.body`` message: the server writes it with its head at once.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ async def _relay(
     only once the reply spans several reads, so a reply that arrived whole costs no task."""
     gone: asyncio.Task[Any] | None = None
     try:
-        headers = [(b"content-type", _SSE), *extra]
+        headers = [(b"content-type", _SSE), (b"cache-control", b"no-cache"), *extra]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         while True:
             chunk = await stream.next_chunk()

@@ -12,6 +12,7 @@ table, and a turn reuses only where the same worker served the previous one).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -21,8 +22,9 @@ import time
 from typing import Any
 
 import uvloop
+from starlette.applications import Starlette
 
-from kvturn.gateway.app import GatewayApp, create_app
+from kvturn.gateway.app import create_app
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http_server import HttpServer
 from kvturn.gateway.response_store import uses_redis
@@ -70,6 +72,12 @@ async def _serve_until_signalled(
         if ready is not None:
             ready.put(("error", os.getpid(), str(error)))
         raise SystemExit(f"kvturn serve: cannot listen on {host}:{port}: {error}") from None
+    # What start-up made (modules, the app, pools) lives as long as the process: frozen, a
+    # full collection no longer walks it while turns wait. Measured (gateway_overhead's
+    # concurrency-32 load, ~37k turns): full collections took 926 ms in all, up to 95 ms
+    # each (the p99 then: 62 ms); frozen, 255 ms in all, p99 17 ms.
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,7 +180,7 @@ class GatewayThread:
     """The gateway on a background thread of this process (``kvturn up``, tests)."""
 
     def __init__(self, config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000):
-        self.app: GatewayApp = create_app(config)
+        self.app: Starlette = create_app(config)
         self.host = host
         self.port = port
         self.url = f"http://{host}:{port}"

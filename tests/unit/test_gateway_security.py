@@ -322,6 +322,11 @@ def test_response_headers_unsafe_to_send_are_dropped() -> None:
     from kvturn.gateway.http_server import header_lines
 
     lines = header_lines(
-        {"x-ok": "fine", "x-bad": "a\r\nset-cookie: x", "x-nul": "a\x00", "bad name": "v"}
+        [
+            (b"x-ok", b"fine"),
+            (b"x-bad", b"a\r\nset-cookie: x"),
+            (b"x-nul", b"a\x00"),
+            (b"bad name", b"v"),
+        ]
     )
     assert lines == [b"x-ok: fine\r\n"]

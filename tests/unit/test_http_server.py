@@ -111,15 +111,20 @@ def test_keep_alive_and_pipelined_requests_answer_in_order(gateway: tuple[str, i
         assert read_response(sock, buffer)[0] == 200
 
 
-def test_a_streamed_turn_is_chunked(gateway: tuple[str, int]) -> None:
+def test_a_streamed_turn_is_framed_server_sent_events(gateway: tuple[str, int]) -> None:
     body = orjson.dumps({**orjson.loads(TURN), "stream": True})
     with connect(gateway) as sock:
         buffer = bytearray()
         sock.sendall(post(body))
         status, headers, payload = read_response(sock, buffer)
     assert status == 200
-    assert headers["transfer-encoding"] == "chunked"
+    # Chunked as it arrives; a stream that arrived whole leaves in one write, with its length.
+    if "transfer-encoding" in headers:
+        assert headers["transfer-encoding"] == "chunked"
+    else:
+        assert int(headers["content-length"]) == len(payload)
     assert headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert headers["cache-control"] == "no-cache"
     assert payload.endswith(b"data: [DONE]\n\n")
 
 
@@ -203,6 +208,70 @@ def test_asgi_routes_get_openai_errors(gateway: tuple[str, int]) -> None:
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(base + "/metrics").text.startswith("# HELP")
+
+
+class _Observed:
+    """An operator's ASGI middleware: counts the lifespan events it sees and tags every
+    response with the path it answered."""
+
+    lifespan_events: list[str] = []
+
+    def __init__(self, app: object):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "lifespan":
+
+            async def observed_receive() -> dict:
+                message = await receive()  # type: ignore[operator]
+                _Observed.lifespan_events.append(message["type"])
+                return message
+
+            await self.app(scope, observed_receive, send)  # type: ignore[operator]
+            return
+
+        async def tagged_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                tag = (b"x-observed", scope["path"].encode())
+                message = {**message, "headers": [*message.get("headers", []), tag]}
+            await send(message)  # type: ignore[operator]
+
+        await self.app(scope, receive, tagged_send)  # type: ignore[operator]
+
+
+def test_turns_pass_through_the_apps_lifespan_and_middleware(fake_url: str) -> None:
+    import asyncio
+
+    from kvturn.gateway.app import create_app
+    from kvturn.gateway.http_server import HttpServer
+
+    async def scenario() -> list[httpx.Response]:
+        config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url]))
+        app = create_app(config)
+        app.add_middleware(_Observed)
+        server = HttpServer(app, port=0)
+        await server.start()
+        try:
+            assert _Observed.lifespan_events == ["lifespan.startup"]
+            base = f"http://127.0.0.1:{server.port}"
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                turn = {**orjson.loads(TURN)}
+                return [
+                    await client.post("/v1/chat/completions", json=turn),
+                    await client.post("/v1/chat/completions", json={**turn, "stream": True}),
+                    await client.get("/health"),
+                ]
+        finally:
+            await server.stop()
+
+    _Observed.lifespan_events.clear()
+    plain, streamed, health = asyncio.run(scenario())
+    assert _Observed.lifespan_events == ["lifespan.startup", "lifespan.shutdown"]
+    assert plain.status_code == 200 and plain.json()["object"] == "chat.completion"
+    assert plain.headers["x-observed"] == "/v1/chat/completions"
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    assert streamed.headers["x-observed"] == "/v1/chat/completions"
+    assert health.headers["x-observed"] == "/health"
 
 
 def test_idle_connections_are_closed(fake_url: str) -> None:
