@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -284,6 +285,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         except StateUnavailable:
             entries = live = None
         body = {
+            # Which process answered, and the turns it served (one of several workers?).
+            "process": {"pid": os.getpid(), "turns_served": runner.turns_served},
             "conversations": entries,
             "live_conversations": live,
             "implicit_turns_remembered": runner.implicit.size(),

@@ -1,10 +1,22 @@
-"""The gateway's Prometheus metrics, on a registry of its own (one per app instance)."""
+"""The gateway's Prometheus metrics, on a registry of its own (one per app instance).
+
+Under ``kvturn serve --workers N`` every worker records into ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus_client's multiprocess mode, set up by the supervisor before it starts them) and
+``/metrics``, whichever worker answers it, shows every worker's turns together: counters and
+histograms summed, gauges (set when scraped, from the shared table and the decodes) the most
+recent.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+#: Set (by the workers' supervisor) for every worker process: metrics go to files there.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 #: Fine enough between 1 and 10 s for CPU engines (GPU turns sit in the lower buckets).
 _LATENCY_BUCKETS = (
@@ -65,8 +77,9 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.live_conversations = Gauge(
-            "kvturn_live_conversations", "Conversations with a live lease", registry=r
-        )
+            "kvturn_live_conversations", "Conversations with a live lease", registry=r,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
         self.turn_retries = Counter(
             "kvturn_turn_retries", "Requests that repeated the previous turn id (SDK retries)",
             registry=r,
@@ -78,8 +91,9 @@ class GatewayMetrics:
             "Idle conversations with no live KV dropped from the table", registry=r,
         )  # fmt: skip
         self.conversations = Gauge(
-            "kvturn_conversations", "Conversations in the table (live KV or not)", registry=r
-        )
+            "kvturn_conversations", "Conversations in the table (live KV or not)", registry=r,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
         self.pauses = Histogram(
             "kvturn_client_pause_seconds", "Pauses before turns reported by clients", ["kind"],
             buckets=_PAUSE_BUCKETS, registry=r,
@@ -90,17 +104,17 @@ class GatewayMetrics:
         )  # fmt: skip
         self.decode_leases = Gauge(
             "kvturn_decode_leases", "Live leases on each decode (its connector's count)",
-            ["decode"], registry=r,
+            ["decode"], registry=r, multiprocess_mode="mostrecent",
         )  # fmt: skip
         self.decode_lease_blocks = Gauge(
             "kvturn_decode_lease_blocks", "KV blocks each decode holds under leases",
-            ["decode"], registry=r,
+            ["decode"], registry=r, multiprocess_mode="mostrecent",
         )  # fmt: skip
         self.decode_lease_events = Gauge(
             "kvturn_decode_lease_events",
             "Lease events on each decode since it started: retained, not_retained, renewed, "
             "claimed, and ended_<reason> (read, expired, released, reclaimed, superseded)",
-            ["decode", "event"], registry=r,
+            ["decode", "event"], registry=r, multiprocess_mode="mostrecent",
         )  # fmt: skip
         self.upstream_errors = Counter(
             "kvturn_upstream_errors", "Engine requests that failed, by role", ["role"], registry=r
@@ -120,6 +134,11 @@ class GatewayMetrics:
         self.lease_renewals_by = _ByLabel(self.lease_renewals)
 
     def render(self) -> bytes:
+        if os.environ.get(MULTIPROC_DIR_ENV):
+            # Every worker's values, from the files they all write.
+            everyone = CollectorRegistry()
+            MultiProcessCollector(everyone)
+            return generate_latest(everyone)
         return generate_latest(self.registry)
 
 

@@ -6,7 +6,8 @@ same port with ``SO_REUSEPORT`` (the kernel spreads connections across them), st
 watched by one supervisor that restarts a worker that dies and stops them all on SIGINT or
 SIGTERM. Any turn is answered correctly by whichever worker gets it; with ``--state
 redis://…`` every worker also finds every conversation's KV (in process, each has its own
-table, and a turn reuses only where the same worker served the previous one).
+table, and a turn reuses only where the same worker served the previous one). ``/metrics``
+from any worker counts every worker's turns (:mod:`.metrics`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import gc
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from typing import Any
@@ -27,6 +30,7 @@ from starlette.applications import Starlette
 from kvturn.gateway.app import create_app
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http_server import HttpServer
+from kvturn.gateway.metrics import MULTIPROC_DIR_ENV
 from kvturn.gateway.response_store import uses_redis
 
 logger = logging.getLogger("kvturn.gateway")
@@ -122,6 +126,8 @@ class GatewayWorkers:
         self._ready = self._context.Queue()
         self.processes: list[Any] = []
         self._last_restart = 0.0
+        #: The metrics directory this supervisor made (none when the operator gave one).
+        self._metrics_dir: str | None = None
 
     def _spawn(self) -> Any:
         process = self._context.Process(
@@ -135,6 +141,12 @@ class GatewayWorkers:
 
     def start(self, timeout_s: float = 60.0) -> GatewayWorkers:
         """Start every worker; return once each listens (raises if one cannot)."""
+        if not os.environ.get(MULTIPROC_DIR_ENV):
+            # The workers' metrics, in files any of them reads for /metrics. Set here, in the
+            # supervisor's environment, before any worker starts: a worker's prometheus_client
+            # picks its mode when it is imported (vLLM's API server does the same).
+            self._metrics_dir = tempfile.mkdtemp(prefix="kvturn-metrics-")
+            os.environ[MULTIPROC_DIR_ENV] = self._metrics_dir
         self.processes = [self._spawn() for _ in range(self.workers)]
         deadline = time.monotonic() + timeout_s
         for _ in range(self.workers):
@@ -174,6 +186,11 @@ class GatewayWorkers:
                 process.kill()
                 process.join(5)
         self.processes = []
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
+            if os.environ.get(MULTIPROC_DIR_ENV) == self._metrics_dir:
+                del os.environ[MULTIPROC_DIR_ENV]
+            self._metrics_dir = None
 
 
 class GatewayThread:

@@ -180,6 +180,8 @@ class TurnRunner:
         else:
             self.implicit = ImplicitIndex(config.max_conversations)
         self._background: set[asyncio.Task[None]] = set()
+        #: Turns this process served (its share under several workers; /kvturn/status).
+        self.turns_served = 0
 
     async def run(self, turn: Turn) -> Reply:
         prompts = batched_prompts(turn.path, turn.body)
@@ -611,6 +613,7 @@ class TurnRunner:
     def _count(self, prefilled: PrefillResult, decode: Instance) -> None:
         """Count a turn once decode has taken it (a retried turn counts once, as it ended)."""
         plan = prefilled.plan
+        self.turns_served += 1
         self.metrics.turns_by[plan.plan].inc()
         self.metrics.plans_by[(plan.plan, plan.reason)].inc()
         self.metrics.reused_tokens.inc(prefilled.reused_tokens)
