@@ -389,16 +389,21 @@ class _Connection(asyncio.Protocol):
         # The client may leave before the reply starts (a non-streamed turn waits for the
         # whole reply): then this worker, and with it the request's engine work, is cancelled,
         # not left to run. (A callback on the connection's end, not a task per request raced
-        # against it: 1 us instead of 22.) ASGI servers leave that to the app.
+        # against it: 1 us instead of 22.) ASGI servers leave that to the app. Once the reply
+        # has started, the app learns of a client that left from ``receive`` and ends the reply
+        # its own way (a streamed turn's client may close as soon as it has read ``[DONE]``).
         worker = asyncio.current_task()
         assert worker is not None
 
         def client_left(_: object) -> None:
             worker.cancel()
 
+        def reply_started() -> None:
+            self.gone.remove_done_callback(client_left)
+
         self.gone.add_done_callback(client_left)
         try:
-            await self._asgi(request)
+            await self._asgi(request, reply_started)
         finally:
             self.gone.remove_done_callback(client_left)
 
@@ -422,8 +427,8 @@ class _Connection(asyncio.Protocol):
             await self.drained
         self.drained = None
 
-    async def _asgi(self, request: _Request) -> None:
-        """A request, through the ASGI app."""
+    async def _asgi(self, request: _Request, reply_started: Any = None) -> None:
+        """A request, through the ASGI app; ``reply_started()`` is called as its reply starts."""
         raw_path, _, query = request.url.partition(b"?")
         scope = {
             "type": "http",
@@ -458,6 +463,8 @@ class _Connection(asyncio.Protocol):
             if message["type"] == "http.response.start":
                 started["status"] = message["status"]
                 started["headers"] = list(message.get("headers", []))
+                if reply_started is not None:
+                    reply_started()
                 return
             body = message.get("body", b"")
             more = message.get("more_body", False)

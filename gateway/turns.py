@@ -797,6 +797,8 @@ class _Relay:
         self.first = True
         self.closed = False
         self.broken = False
+        #: Decode's ``[DONE]`` was relayed: the reply is whole, whatever comes after.
+        self.done = False
 
     @property
     def at_end(self) -> bool:
@@ -815,6 +817,9 @@ class _Relay:
             self.broken = True
             return _STREAM_BROKE
         if chunk is not None:
+            if chunk.endswith(_SSE_DONE):
+                # The client has the whole reply once this is relayed, and may close at once.
+                self.done = True
             if self.first:
                 self.first = False
                 now = time.perf_counter()
@@ -831,7 +836,7 @@ class _Relay:
         if self.closed:
             return
         self.closed = True
-        completed = self.upstream.at_end and not self.broken
+        completed = (self.upstream.at_end or self.done) and not self.broken
         await self.upstream.aclose()
         self.instance.in_flight -= 1
         if self.first:
@@ -843,6 +848,9 @@ class _Relay:
         elif self.collector is not None:
             self.after.reply = self.collector.message()
         self.runner._settle_later(self.after)
+
+
+_SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -211,6 +211,13 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
                  "choices": [], "usage": _completion(request_id)["usage"]}  # fmt: skip
         await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\n".encode(),
                     "more_body": True})  # fmt: skip
+    if body.get("fake_end_delay_ms"):
+        # ``[DONE]`` first, the end of the body a moment later (in another read): a client
+        # may close its connection in between.
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await asyncio.sleep(float(body["fake_end_delay_ms"]) / 1000)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

@@ -166,6 +166,25 @@ def test_a_reader_leaving_a_stream_stops_it_at_the_engine(gateway: str, fake_url
     assert _chat(gateway).status_code == 200
 
 
+def test_a_reader_that_leaves_once_it_has_done_keeps_the_conversations_kv(gateway: str) -> None:
+    # The reader has the whole reply at ``[DONE]`` and may close its connection before the
+    # engine's body ends (seen with the openai SDK on real engines: the next turn found
+    # nothing held and recomputed). The turn is complete: its KV is kept for the next turn.
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "fake_end_delay_ms": 300}  # fmt: skip
+    headers = {"X-Conversation-Id": "done-then-gone"}
+    for _ in range(2):
+        with httpx.stream(
+            "POST", gateway + "/v1/chat/completions", json=body, headers=headers
+        ) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    break  # and the connection closes, the engine's body not yet ended
+        time.sleep(0.6)  # the engine's body ends; the turn is recorded
+    second_plan = response.headers["x-kvturn-plan"]
+    assert second_plan == "pull-reuse", response.headers.get("x-kvturn-plan-reason")
+
+
 def test_a_stream_breaking_off_ends_with_an_openai_error_event(gateway: str) -> None:
     client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(
