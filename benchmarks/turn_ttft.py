@@ -138,9 +138,8 @@ def tpot_under(
 def gateway(
     state: dict[str, Any], port: int, *settings: str
 ) -> contextlib.AbstractContextManager[Any]:
-    """A gateway of its own (``kvturn serve``), as deployed: in this process, a gateway thread
-    would share the interpreter with the client that measures it (measured here at 4k + 50:
-    decode-local 1.11x the floor on a thread, 1.05x in a process of its own)."""
+    """A gateway of its own (``kvturn serve``), as deployed: a gateway thread in this process
+    would share the interpreter, and its lock, with the client that measures it."""
     engines = [(flag, url) for key, flag in (("prefill", "--prefill"), ("decode", "--decode"),
                ("decode_control", "--decode-control")) for url in state[key]]  # fmt: skip
     command = (sys.executable, "-m", "kvturn.gateway.cli", "serve", "--port", str(port),
