@@ -17,7 +17,9 @@ Redis (``--state redis://…``, a ``redis-server`` of its own on loopback) is me
 first (without ``redis-server``, or with --no-redis, it is left out). With --servers, the same
 gateway app is also served whole by maintained ASGI servers (``benchmarks/asgi_gateway.py``):
 uvicorn with httptools, uvicorn with h11, and granian if it is installed
-(``.venv/bin/pip install granian==2.8.7``; not a kvturn dependency). Results:
+(``.venv/bin/pip install granian==2.8.7``; not a kvturn dependency). With --workers N, the
+gateway also runs as N worker processes on one port sharing one Redis table (``kvturn serve
+--workers N --state redis://…``), which is how it uses more than one core. Results:
 benchmarks/results/gateway_overhead.md.
 """
 
@@ -55,6 +57,8 @@ GATEWAY_PORT, FAKE_PORT, ROUTER_PORT, ROUTER_METRICS_PORT = 29000, 29001, 29002,
 GATEWAY_REDIS_PORT, REDIS_PORT = 29004, 29005
 #: The gateway app under other ASGI servers (--servers): kind → port.
 SERVER_PORTS = {"uvicorn-httptools": 29006, "uvicorn-h11": 29007, "granian": 29008}
+#: The gateway as several worker processes sharing one Redis table (--workers N).
+WORKERS_KIND, WORKERS_PORT = "gateway-workers", 29009
 LEVELS = (1, 32, 256)
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
 PREFILL = PREFILL_FOR_REMOTE_DECODE
@@ -63,6 +67,7 @@ PORTS = {
     "gateway-redis": GATEWAY_REDIS_PORT,
     "router": ROUTER_PORT,
     **SERVER_PORTS,
+    WORKERS_KIND: WORKERS_PORT,
 }
 JSON = {"content-type": "application/json"}
 
@@ -228,6 +233,10 @@ def main() -> int:
     parser.add_argument(
         "--servers", action="store_true", help="also the gateway app under uvicorn and granian"
     )
+    parser.add_argument(
+        "--workers", type=int, default=0,
+        help="also the gateway as N worker processes on one port, their table in Redis",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="Markdown results file")
     args = parser.parse_args()
     counts = dict(
@@ -255,6 +264,10 @@ def main() -> int:
         "KVTURN_DECODE_CONTROL_URLS": fake_url,
     }
     asgi_servers = _asgi_servers(py) if args.servers else {}
+    workers: dict[str, tuple[str, ...]] = {}
+    if args.workers > 1 and with_redis:
+        workers[WORKERS_KIND] = (*gateway[:-1], str(WORKERS_PORT), "--workers", str(args.workers),
+                                 "--state", f"redis://127.0.0.1:{REDIS_PORT}/1")  # fmt: skip
     router = (str(args.router_bin), "--vllm-pd-disaggregation",
               "--prefill", f"http://localhost:{FAKE_PORT}", "--decode", fake_url,
               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ROUTER_PORT),
@@ -266,6 +279,7 @@ def main() -> int:
         *(["gateway-redis"] if with_redis else []),
         *(["router"] if with_router else []),
         *asgi_servers,
+        *workers,
     ]
     with_cid = ["gateway+cid", *(["gateway-redis+cid"] if with_redis else [])]
     results: dict[tuple[bool, int], dict[str, dict[str, Any]]] = {}
@@ -280,6 +294,8 @@ def main() -> int:
     ):
         for kind, command in asgi_servers.items():
             stack.enter_context(server(*command, port=SERVER_PORTS[kind], env=asgi_env))
+        for kind, command in workers.items():
+            stack.enter_context(server(*command, port=PORTS[kind]))
         for stream in (False, True):
             if with_router:
                 check_router_does_pd(stream)
@@ -296,6 +312,8 @@ def main() -> int:
     write_results(args, results, counts, rounds, took, servers, with_router, with_redis)
     if asgi_servers:
         write_server_results(args.out, results, asgi_servers)
+    if workers:
+        write_worker_results(args.out, results, workers, args.workers)
     return 0
 
 
@@ -351,6 +369,40 @@ def write_server_results(
     print("\n".join(lines))
 
 
+def write_worker_results(
+    out: Path,
+    results: dict[tuple[bool, int], dict[str, dict[str, Any]]],
+    workers: dict[str, tuple[str, ...]],
+    n: int,
+) -> None:
+    """The gateway as several processes (one Redis table) beside one process and vllm-router."""
+    kinds = [
+        k for k in ("gateway", "gateway-redis", WORKERS_KIND, "router") if k in results[(False, 1)]
+    ]
+    lines = [
+        "",
+        f"## The gateway as {n} worker processes (same run)",
+        "",
+        f"`kvturn serve --workers {n}`, the conversation table shared in the same Redis "
+        f"(another database): `{shown(workers[WORKERS_KIND])}`. Beside it, one gateway process "
+        "(table in process, and in Redis) and vllm-router, from the rows above.",
+        "",
+        "| streamed | concurrency | "
+        + " | ".join(f"{k} added p50 | {k} req/s" for k in kinds)
+        + " |",
+        "|---|---|" + "---|---|" * len(kinds),
+    ]
+    for (stream, c), found in results.items():
+        d = found["direct"]
+        cells = " | ".join(
+            f"{found[k]['p50_ms'] - d['p50_ms']:+.3f} | {found[k]['rps']:.0f}" for k in kinds
+        )
+        lines.append(f"| {'yes' if stream else 'no'} | {c} | {cells} |")
+    with out.open("a") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def write_results(
     args: argparse.Namespace,
     results: dict[tuple[bool, int], dict[str, dict[str, Any]]],
@@ -362,7 +414,11 @@ def write_results(
     with_redis: bool,
 ) -> None:
     fake, gateway, router = servers["fake"], servers["gateway"], servers["router"]
-    quick = (" --quick" if args.quick else "") + (" --servers" if args.servers else "")
+    quick = (
+        (" --quick" if args.quick else "")
+        + (" --servers" if args.servers else "")
+        + (f" --workers {args.workers}" if args.workers > 1 else "")
+    )
     lines = [
         "# Router overhead against a fast fake upstream (P/D mode)"
         + (" — QUICK smoke run: few requests, noisy" if args.quick else ""),
