@@ -9,10 +9,13 @@ streamed) and served 13% fewer requests/s at concurrency 32 (15% streamed); gran
 added 0.21 ms more (0.40 ms) at 11% (25%) fewer; uvicorn with h11 0.22 ms (0.43 ms) more at
 39% (47%) fewer. uvicorn with httptools sits at the edge of "within 0.1 ms and 20%", inside
 this machine's run-to-run noise (about ±0.2 ms that day; see
-benchmarks/results/gateway_overhead.md). (Turns then skipped the ASGI app on this server;
+benchmarks/results/gateway_overhead.md). Turns then skipped the ASGI app on this server;
 since they go through it, this server serves about 10% fewer turns/s at concurrency 32 than
-it did: 3,556 vs 3,925, 6 alternating rounds of one run; most of it Starlette's middleware
-stack, 3,763 without it.)
+it did (3,556 vs 3,925, 6 alternating rounds of one run; most of it Starlette's middleware
+stack, 3,763 without it), and the speed difference is gone: rerun the same afternoon on a
+machine then about twice as slow, this server added 0.97 ms at concurrency 1 and served 2,087
+requests/s at 32, uvicorn with httptools 1.05 ms and 2,321 (streamed: 0.85 vs 0.99 ms, 2,004
+vs 2,079). What decides is robustness.
 
 It is kept because of what the same servers do under the attack cases this module answers
 (``benchmarks/http_robustness.py``, 2026-12-02, each with its closest settings to this
