@@ -456,7 +456,10 @@ class _Connection(asyncio.Protocol):
             if not body_read:
                 body_read = True
                 return {"type": "http.request", "body": request.body, "more_body": False}
-            await self.gone  # nothing more will come: wait until the client leaves
+            # Nothing more will come: wait until the client leaves. Shielded: an app that calls
+            # off its wait (a relay that ended) cancels this call, never the connection's own
+            # future, which later requests on the connection still need.
+            await asyncio.shield(self.gone)
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:

@@ -166,6 +166,25 @@ def test_a_reader_leaving_a_stream_stops_it_at_the_engine(gateway: str, fake_url
     assert _chat(gateway).status_code == 200
 
 
+def test_the_connection_serves_on_after_a_stream_that_spanned_several_reads(gateway: str) -> None:
+    # While a stream is relayed, the gateway watches for its reader leaving; once it ends, the
+    # watch is called off. Calling it off once cancelled the connection's own "gone" future,
+    # and the next request on the connection was cancelled unanswered (real engines stream
+    # in many reads; the example agents' replays failed "Server disconnected without sending
+    # a response").
+    slow = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "fake_slow_stream": 5}  # fmt: skip
+    with httpx.Client(timeout=10, limits=httpx.Limits(max_connections=1)) as client:
+        for _ in range(2):
+            with client.stream("POST", gateway + "/v1/chat/completions", json=slow) as response:
+                assert response.status_code == 200
+                assert b"".join(response.iter_raw()).endswith(b"data: [DONE]\n\n")
+        released = client.delete(gateway + "/v1/kvturn/conversations/never-seen")
+        assert released.status_code == 200
+        after = client.post(gateway + "/v1/chat/completions", json={**slow, "stream": False})
+        assert after.status_code == 200
+
+
 def test_a_reader_that_leaves_once_it_has_done_keeps_the_conversations_kv(gateway: str) -> None:
     # The reader has the whole reply at ``[DONE]`` and may close its connection before the
     # engine's body ends (seen with the openai SDK on real engines: the next turn found
