@@ -343,30 +343,15 @@ def write_server_results(
     asgi_servers: dict[str, tuple[str, ...]],
 ) -> None:
     """The gateway app under each HTTP server: added p50 and req/s, beside the gateway's own."""
-    kinds = ["gateway", *asgi_servers]
-    lines = [
-        "",
+    intro = [
         "## The gateway app under maintained ASGI servers (same run)",
         "",
         "The same app (`kvturn.gateway.app.create_app`), one process each on uvloop: the "
         "gateway's own HTTP server (`kvturn serve`), and the app served whole by:",
         "",
         *(f"- {kind}: `{shown(command)}`" for kind, command in asgi_servers.items()),
-        "",
-        "| streamed | concurrency | "
-        + " | ".join(f"{k} added p50 | {k} req/s" for k in kinds)
-        + " |",
-        "|---|---|" + "---|---|" * len(kinds),
     ]
-    for (stream, c), found in results.items():
-        d = found["direct"]
-        cells = " | ".join(
-            f"{found[k]['p50_ms'] - d['p50_ms']:+.3f} | {found[k]['rps']:.0f}" for k in kinds
-        )
-        lines.append(f"| {'yes' if stream else 'no'} | {c} | {cells} |")
-    with out.open("a") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _append_added_table(out, results, intro, ["gateway", *asgi_servers])
 
 
 def write_worker_results(
@@ -376,16 +361,28 @@ def write_worker_results(
     n: int,
 ) -> None:
     """The gateway as several processes (one Redis table) beside one process and vllm-router."""
-    kinds = [
-        k for k in ("gateway", "gateway-redis", WORKERS_KIND, "router") if k in results[(False, 1)]
-    ]
-    lines = [
-        "",
+    intro = [
         f"## The gateway as {n} worker processes (same run)",
         "",
         f"`kvturn serve --workers {n}`, the conversation table shared in the same Redis "
         f"(another database): `{shown(workers[WORKERS_KIND])}`. Beside it, one gateway process "
         "(table in process, and in Redis) and vllm-router, from the rows above.",
+    ]
+    measured = results[(False, 1)]
+    kinds = [k for k in ("gateway", "gateway-redis", WORKERS_KIND, "router") if k in measured]
+    _append_added_table(out, results, intro, kinds)
+
+
+def _append_added_table(
+    out: Path,
+    results: dict[tuple[bool, int], dict[str, dict[str, Any]]],
+    intro: list[str],
+    kinds: list[str],
+) -> None:
+    """A section of the results: ``intro``, then each kind's added p50 and req/s per row."""
+    lines = [
+        "",
+        *intro,
         "",
         "| streamed | concurrency | "
         + " | ".join(f"{k} added p50 | {k} req/s" for k in kinds)
