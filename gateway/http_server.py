@@ -46,6 +46,7 @@ import logging
 import re
 import resource
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 from typing import Any
 from urllib.parse import unquote
@@ -430,7 +431,9 @@ class _Connection(asyncio.Protocol):
             await self.drained
         self.drained = None
 
-    async def _asgi(self, request: _Request, reply_started: Any = None) -> None:
+    async def _asgi(
+        self, request: _Request, reply_started: Callable[[], None] | None = None
+    ) -> None:
         """A request, through the ASGI app; ``reply_started()`` is called as its reply starts."""
         raw_path, _, query = request.url.partition(b"?")
         scope = {
