@@ -82,6 +82,7 @@ def local_pair(
     kv_cache_gb: int = 4,
     lease_s: float | None = None,
     decode_kv_blocks: int | None = None,
+    transfer: str = "pull",
 ) -> Iterator[dict]:
     """Run ``kvturn up`` (engines + gateway) for the block; yields its state (URLs, pids)."""
     work = Path(tempfile.mkdtemp(prefix="kvturn-bench-"))
@@ -90,7 +91,7 @@ def local_pair(
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", model,
          "--base-port", str(base_port), "--kv-ttl", str(kv_ttl), "--port", str(gateway_port),
-         "--kv-cache-gb", str(kv_cache_gb),
+         "--kv-cache-gb", str(kv_cache_gb), "--transfer", transfer,
          "--log-dir", str(work / "logs"), "--state-file", str(state_file),
          *(["--lease-s", str(lease_s)] if lease_s is not None else []),
          *(["--decode-kv-blocks", str(decode_kv_blocks)] if decode_kv_blocks else [])],

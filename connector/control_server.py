@@ -22,6 +22,10 @@ sent with the turn):
 ``POST /kvturn/wake``
     A turn is on its way to this engine: stop pacing idle steps (see
     :class:`~kvturn.connector.engine_pacing.IdlePacer`). Every POST and DELETE also does this.
+``GET /kvturn/identity``
+    The engine's NIXL identity: ``engine_id``, ``side_channel_host``, ``side_channel_port``,
+    ``tp_size``, ``pp_size``, ``transfer_mode`` (``pull``/``push``). A push-mode gateway names
+    the prefill to the decode that registers its blocks with it before prefill has answered.
 ``GET /kvturn/leases``
     Counters: live leases, blocks they hold, retained, renewed, claimed, ended by reason.
 ``GET /kvturn/health``
@@ -67,9 +71,12 @@ class ControlServer:
         port: int,
         secret: str | None = None,
         on_call: Callable[[], None] | None = None,
+        identity: dict[str, Any] | None = None,
     ):
         self.leases = leases
-        handler = _make_handler(leases, secret.encode() if secret else None, on_call)
+        handler = _make_handler(
+            leases, secret.encode() if secret else None, on_call, dict(identity or {})
+        )
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
@@ -91,7 +98,10 @@ class ControlServer:
 
 
 def _make_handler(
-    leases: LeaseTable, secret: bytes | None, on_call: Callable[[], None] | None
+    leases: LeaseTable,
+    secret: bytes | None,
+    on_call: Callable[[], None] | None,
+    identity: dict[str, Any],
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -104,6 +114,8 @@ def _make_handler(
                 return
             elif parts == ["kvturn", "leases"]:
                 self._send(200, leases.stats())
+            elif parts == ["kvturn", "identity"]:
+                self._send(200, identity)
             elif len(parts) == 3 and parts[:2] == ["kvturn", "retained"]:
                 try:
                     wait_s = min(float(query.get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)

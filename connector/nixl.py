@@ -53,7 +53,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlConnector
 from vllm.v1.request import RequestStatus
 
 from kvturn.connector.block_usage import BlockUsage
@@ -66,6 +66,7 @@ from kvturn.kv_params import (
     DIGEST_CHUNK_TOKENS,
     KV_BYTES_PER_TOKEN_KEY,
     PREFIX_DIGESTS_KEY,
+    PROMPT_TOKENS_KEY,
     common_prefix_tokens,
     prefix_digests,
 )
@@ -91,8 +92,14 @@ PAUSE_KEY = "kvturn_pause"
 SECRET_ENV = "KVTURN_CONTROL_SECRET"
 
 
-class KvturnConnector(NixlConnector):
-    """NixlConnector plus retained-KV publication (decode) and prefix verification (prefill)."""
+class KvturnConnectorBase(NixlBaseConnector):
+    """What kvturn adds to either of vLLM's NIXL connectors (pull: :class:`KvturnConnector`,
+    push: :class:`kvturn.connector.push.KvturnPushConnector`): the CPU fixes, decode leases
+    and their control server, memory-pressure reclaim. Listed first among a connector's bases,
+    so its methods wrap the chosen upstream connector's."""
+
+    #: ``pull`` or ``push``: what the control server's identity route reports.
+    TRANSFER_MODE = "pull"
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -163,17 +170,29 @@ class KvturnConnector(NixlConnector):
                 int(port),
                 secret,
                 on_call=self._pacer.wake if self._pacer else None,
+                identity=self._identity(vllm_config),
             ).start()
 
-    # ---- scheduler side: prefill -----------------------------------------------------------
+    def _identity(self, vllm_config: VllmConfig) -> dict[str, Any]:
+        """What a peer needs to reach this engine over NIXL before any request has told it:
+        in push mode the gateway names the prefill to the decode that registers with it."""
+        scheduler = self.connector_scheduler
+        assert scheduler is not None
+        return {
+            "engine_id": self.engine_id,
+            "side_channel_host": scheduler.side_channel_host,
+            "side_channel_port": scheduler.side_channel_port,
+            "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+            "pp_size": vllm_config.parallel_config.pipeline_parallel_size,
+            "transfer_mode": self.TRANSFER_MODE,
+        }
+
+    # ---- scheduler side: both ---------------------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and not params.get(_CHECKED_KEY):
-            params[_CHECKED_KEY] = True
-            self._trim_to_verified_prefix(request, params)
         if params and params.get("do_remote_prefill"):
             # A decode request about to get its blocks: if it does not, it waits for memory.
             self._asked[request.request_id] = -(-request.num_tokens // self._block_size)
@@ -187,61 +206,12 @@ class KvturnConnector(NixlConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._asked.pop(request.request_id, None)
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
-            self._usage.set_blocks(request.request_id, blocks.get_block_ids())
-        elif (
-            params
-            and params.get(CONVERSATION_KEY)
-            and not params.get("do_remote_decode")
-            and not params.get("_remote_blocks_processed")
-        ):
-            # A decode-local turn: the gateway sent it straight to this decode, whose prefix
-            # cache holds the conversation. NixlConnector's worker tracks only requests that
-            # took part in a transfer and ignores the retention deadline of any other, so its
-            # blocks would never be freed: name it to the worker like a transferred one.
-            self._local.add(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def _trim_to_verified_prefix(self, request: Request, params: dict[str, Any]) -> None:
-        """Limit a pull from decode to the tokens this prompt provably shares with it."""
-        if not params.get("remote_block_ids"):
-            return
-        digests = params.get(PREFIX_DIGESTS_KEY)
-        prompt = list(request.prompt_token_ids or [])
-        held = int(params.get("remote_num_tokens") or 0)
-        if digests is None:
-            # No proof of what the decode holds: never pull unverified KV.
-            verified = 0
-        else:
-            verified = common_prefix_tokens(digests, prompt, DIGEST_CHUNK_TOKENS)
-        # Leave at least the last prompt token to compute, so prefill produces logits.
-        usable = max(0, min(verified, held, len(prompt) - 1))
-        if usable == 0:
-            params["remote_block_ids"] = None
-            params["remote_num_tokens"] = 0
-        else:
-            num_blocks = -(-usable // self._block_size)
-            params["remote_block_ids"] = [
-                list(group)[:num_blocks] for group in params["remote_block_ids"]
-            ]
-            params["remote_num_tokens"] = usable
-        logger.info(
-            "kvturn: request %s: prompt %d tokens, decode holds %d, verified common prefix %d, "
-            "will pull up to %d",
-            request.request_id,
-            len(prompt),
-            held,
-            verified,
-            usable,
-        )
-
-    # ---- scheduler side: both ---------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
         if self._local:
-            meta.reqs_in_batch.update(self._local)
+            meta.reqs_in_batch.update(self._local)  # type: ignore[attr-defined]
             self._local.clear()
         self._steer_retention(meta, scheduler_output)
         # While finished requests' blocks wait to be read (or to expire), the engine core steps
@@ -251,44 +221,27 @@ class KvturnConnector(NixlConnector):
             self._pacer.pace(busy=scheduler_output.total_num_scheduled_tokens > 0)
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        # Retained blocks are single-use: once a prefill has read them (or their lease ended)
+        # NIXL frees them; the lease is over.
+        for request_id in connector_output.finished_sending or ():
+            if self.leases.finished(request_id) is not None:
+                self._usage.drop(_lease_owner(request_id))
+
     # ---- scheduler side: decode ------------------------------------------------------------
 
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        stopped_by_server = _aborted_after_decoding(request)
-        if stopped_by_server:
-            # A turn that ends on a stop string is ended by vLLM's API server, which aborts it
-            # in the engine core once the detokenized text shows the string: the core sees
-            # FINISHED_ABORTED, and NixlConnector keeps no KV for an aborted request. Measured
-            # here: every turn after a stop-string turn recomputed its whole history (planned
-            # "first-turn", 0 tokens reused), and agents that stop on strings (ReAct-style
-            # "Observation:") never reused. A request aborted after it began decoding holds
-            # exactly what a finished one holds (its prompt and the tokens decoded so far, which
-            # its digests describe), so it is retained as if it had stopped. One whose client
-            # left is retained too, until the gateway releases it (it does, for any turn whose
-            # reply it did not see complete), its lease lapses or memory is short.
-            request.status = RequestStatus.FINISHED_STOPPED
-        try:
-            delay_free, params = super().request_finished_all_groups(request, block_ids)
-        finally:
-            if stopped_by_server:
-                request.status = RequestStatus.FINISHED_ABORTED
-        self._usage.drop(request.request_id)
-        if not (delay_free and params and params.get("do_remote_decode")):
-            return delay_free, params
+    def _retain(self, request: Request, params: dict[str, Any]) -> None:
+        """Lease a finished decode request's blocks (``params``: what decode publishes for the
+        next turn, its ``remote_block_ids`` and ``remote_num_tokens`` filled in) to its
+        conversation, and describe the tokens they hold."""
         sent = request.kv_transfer_params or {}
-        if CONVERSATION_KEY in sent and not sent[CONVERSATION_KEY]:
-            # The gateway says no turn will come back for this KV: free it now. NIXL's worker
-            # still expects the request; build_connector_meta tells it not to wait.
-            self._not_retained.add(request.request_id)
-            self.leases.counters.not_retained += 1
-            return False, None
         held = int(params.get("remote_num_tokens") or 0)
         tokens = list(request.all_token_ids)[:held]
         params[PREFIX_DIGESTS_KEY] = prefix_digests(tokens, DIGEST_CHUNK_TOKENS)
         params[BLOCK_SIZE_KEY] = self._block_size
         params[KV_BYTES_PER_TOKEN_KEY] = self._kv_bytes_per_token
+        params[PROMPT_TOKENS_KEY] = request.num_prompt_tokens
         params["remote_block_ids"] = [list(g) for g in params["remote_block_ids"]]
         key = publication_key(request.request_id)
         pause = sent.get(PAUSE_KEY)
@@ -309,15 +262,6 @@ class KvturnConnector(NixlConnector):
             reclaimable=CONVERSATION_KEY in sent,
         )
         self._usage.set_blocks(_lease_owner(request.request_id), params["remote_block_ids"])
-        return delay_free, params
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        super().update_connector_output(connector_output)
-        # Retained blocks are single-use: once a prefill has read them (or their lease ended)
-        # NIXL frees them; the lease is over.
-        for request_id in connector_output.finished_sending or ():
-            if self.leases.finished(request_id) is not None:
-                self._usage.drop(_lease_owner(request_id))
 
     def _steer_retention(self, meta: Any, scheduler_output: SchedulerOutput) -> None:
         """Hand NIXL's worker the lease deadlines that changed since the last step, and
@@ -368,7 +312,111 @@ class KvturnConnector(NixlConnector):
         super().shutdown()
 
 
-def _aborted_after_decoding(request: Request) -> bool:
+class KvturnConnector(KvturnConnectorBase, NixlConnector):
+    """NixlConnector (pull) plus retained-KV publication (decode) and prefix verification
+    (prefill)."""
+
+    # ---- scheduler side: prefill -----------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and not params.get(_CHECKED_KEY):
+            params[_CHECKED_KEY] = True
+            self._trim_to_verified_prefix(request, params)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self._usage.set_blocks(request.request_id, blocks.get_block_ids())
+        elif (
+            params
+            and params.get(CONVERSATION_KEY)
+            and not params.get("do_remote_decode")
+            and not params.get("_remote_blocks_processed")
+        ):
+            # A decode-local turn: the gateway sent it straight to this decode, whose prefix
+            # cache holds the conversation. NixlConnector's worker tracks only requests that
+            # took part in a transfer and ignores the retention deadline of any other, so its
+            # blocks would never be freed: name it to the worker like a transferred one.
+            self._local.add(request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _trim_to_verified_prefix(self, request: Request, params: dict[str, Any]) -> None:
+        """Limit a pull from decode to the tokens this prompt provably shares with it."""
+        if not params.get("remote_block_ids"):
+            return
+        digests = params.get(PREFIX_DIGESTS_KEY)
+        prompt = list(request.prompt_token_ids or [])
+        held = int(params.get("remote_num_tokens") or 0)
+        if digests is None:
+            # No proof of what the decode holds: never pull unverified KV.
+            verified = 0
+        else:
+            verified = common_prefix_tokens(digests, prompt, DIGEST_CHUNK_TOKENS)
+        # Leave at least the last prompt token to compute, so prefill produces logits.
+        usable = max(0, min(verified, held, len(prompt) - 1))
+        if usable == 0:
+            params["remote_block_ids"] = None
+            params["remote_num_tokens"] = 0
+        else:
+            num_blocks = -(-usable // self._block_size)
+            params["remote_block_ids"] = [
+                list(group)[:num_blocks] for group in params["remote_block_ids"]
+            ]
+            params["remote_num_tokens"] = usable
+        logger.info(
+            "kvturn: request %s: prompt %d tokens, decode holds %d, verified common prefix %d, "
+            "will pull up to %d",
+            request.request_id,
+            len(prompt),
+            held,
+            verified,
+            usable,
+        )
+
+    # ---- scheduler side: decode ------------------------------------------------------------
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        stopped_by_server = aborted_after_decoding(request)
+        if stopped_by_server:
+            # A turn that ends on a stop string is ended by vLLM's API server, which aborts it
+            # in the engine core once the detokenized text shows the string: the core sees
+            # FINISHED_ABORTED, and NixlConnector keeps no KV for an aborted request. Measured
+            # here: every turn after a stop-string turn recomputed its whole history (planned
+            # "first-turn", 0 tokens reused), and agents that stop on strings (ReAct-style
+            # "Observation:") never reused. A request aborted after it began decoding holds
+            # exactly what a finished one holds (its prompt and the tokens decoded so far, which
+            # its digests describe), so it is retained as if it had stopped. One whose client
+            # left is retained too, until the gateway releases it (it does, for any turn whose
+            # reply it did not see complete), its lease lapses or memory is short.
+            request.status = RequestStatus.FINISHED_STOPPED
+        try:
+            delay_free, params = super().request_finished_all_groups(request, block_ids)
+        finally:
+            if stopped_by_server:
+                request.status = RequestStatus.FINISHED_ABORTED
+        self._usage.drop(request.request_id)
+        if not (delay_free and params and params.get("do_remote_decode")):
+            return delay_free, params
+        sent = request.kv_transfer_params or {}
+        if CONVERSATION_KEY in sent and not sent[CONVERSATION_KEY]:
+            # The gateway says no turn will come back for this KV: free it now. NIXL's worker
+            # still expects the request; build_connector_meta tells it not to wait.
+            self._not_retained.add(request.request_id)
+            self.leases.counters.not_retained += 1
+            return False, None
+        self._retain(request, params)
+        return delay_free, params
+
+
+def aborted_after_decoding(request: Request) -> bool:
     """A conversation's decode request (sent by the gateway, not a prefill) that was aborted
     once its prompt was computed and it had decoded at least one token."""
     params = request.kv_transfer_params or {}

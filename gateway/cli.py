@@ -63,8 +63,10 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> list[EngineSpec]:
     """The engines ``kvturn up`` starts for these arguments."""
     kv = KVSettings(
+        transfer=args.transfer,
         decoder_kv_blocks_ttl_s=args.kv_ttl,
         kv_recompute_threshold=args.recompute_threshold,
+        push_registration_timeout_s=args.push_registration_timeout,
     )
     specs = plan_specs(
         model,
@@ -109,13 +111,16 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         port=args.port,
         cpu=args.cpu,
         side_channel_port=args.side_channel_port,
-        control_port=args.control_port if role == "decode" else 0,
+        # Push mode: a prefill's control server tells the gateway its NIXL identity.
+        control_port=args.control_port if role == "decode" or args.transfer == "push" else 0,
         host=args.host,
         advertise_host=args.advertise_host,
         device=args.device,
         served_model_name=served_name,
         kv=KVSettings(
-            decoder_kv_blocks_ttl_s=args.kv_ttl, kv_recompute_threshold=args.recompute_threshold
+            transfer=args.transfer,
+            decoder_kv_blocks_ttl_s=args.kv_ttl,
+            kv_recompute_threshold=args.recompute_threshold,
         ),
         dtype=args.dtype or ("float32" if ours else "auto"),
         # A model id resolved on the engine's own host: vLLM's default length (the model's).
@@ -180,7 +185,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             from kvturn.gateway.server import GatewayThread
 
             config = GatewayConfig.from_env(
-                prefill=endpoints([e.spec.url for e in deployment.prefill]),
+                prefill=endpoints(
+                    [e.spec.url for e in deployment.prefill],
+                    [e.spec.control_url or "" for e in deployment.prefill],
+                ),
                 decode=endpoints(
                     [e.spec.url for e in deployment.decode],
                     [e.spec.control_url or "" for e in deployment.decode],
@@ -188,6 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 lease_s=args.lease_s,
                 reuse_threshold_tokens=args.recompute_threshold,
                 state=args.state,
+                transfer=args.transfer,
             )
             if args.gateway_workers > 1:
                 from kvturn.gateway.server import GatewayWorkers
@@ -204,6 +213,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "prefill": [e.spec.url for e in deployment.prefill],
             "decode": [e.spec.url for e in deployment.decode],
             "decode_control": [e.spec.control_url for e in deployment.decode],
+            "prefill_control": [e.spec.control_url for e in deployment.prefill],
+            "transfer": args.transfer,
             "pids": [e.pid for e in deployment.engines],
             "launcher_pid": os.getpid(),
             "control_secret": os.environ[CONTROL_SECRET_ENV],
@@ -279,6 +290,7 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
         int,
         "control port of decodes given without a control URL: http://<decode host>:<port>",
     ),
+    "transfer": (str, "pull (decode reads from prefill) or push (prefill writes to decode)"),
 }
 
 
@@ -304,7 +316,7 @@ def serve_settings(args: argparse.Namespace) -> tuple[GatewayConfig, str, int, b
     deployment = load_deployment(args.config) if args.config else DeploymentFile()
     flags: dict[str, object] = {name: getattr(args, name) for name in _GATEWAY_TUNABLES}
     if args.prefill:
-        flags["prefill"] = endpoints(args.prefill)
+        flags["prefill"] = endpoints(args.prefill, args.prefill_control)
     if args.decode:
         flags["decode"] = endpoints(args.decode, args.decode_control)
     config = GatewayConfig.from_env(
@@ -374,6 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     up.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
     up.add_argument(
+        "--transfer", choices=("pull", "push"), default="pull",
+        help="prefill→decode KV transfer: pull (decode reads) or push (prefill writes)",
+    )  # fmt: skip
+    up.add_argument(
+        "--push-registration-timeout", type=int, default=60,
+        help="push: seconds a decode keeps blocks registered for a push that never came",
+    )  # fmt: skip
+    up.add_argument(
         "--state", default=None,
         help="gateway state: memory (default) or redis://host:port/db (env KVTURN_STATE)",
     )  # fmt: skip
@@ -385,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--decode-control", action="append", default=[],
         help="kvturn control URL of each decode engine, in --decode order",
+    )  # fmt: skip
+    srv.add_argument(
+        "--prefill-control", action="append", default=[],
+        help="push: kvturn control URL of each prefill engine, in --prefill order",
     )  # fmt: skip
     srv.add_argument(
         "--config", default=None,
@@ -429,7 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--side-channel-port", type=int, default=5600, help="NIXL side channel")
     eng.add_argument(
         "--control-port", type=int, default=8300,
-        help="decode only: kvturn's lease control server (KVTURN_CONTROL_SECRET guards it)",
+        help="kvturn's control server (decode; prefill too with --transfer push)",
+    )  # fmt: skip
+    eng.add_argument(
+        "--transfer", choices=("pull", "push"), default="pull",
+        help="the deployment's KV transfer (every engine and the gateway must agree)",
     )  # fmt: skip
     eng.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="KV cache device")
     eng.add_argument("--cpu", type=int, default=None, help="pin the engine to this core")

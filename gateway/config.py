@@ -22,7 +22,7 @@ class EngineEndpoint:
     """One vLLM engine the gateway routes to."""
 
     url: str
-    #: The kvturn connector's control server (decode engines only).
+    #: The kvturn connector's control server (decode engines; prefill engines in push mode).
     control_url: str | None = None
 
 
@@ -86,6 +86,12 @@ class GatewayConfig:
     #: port of their own host (``kvturn engine``'s default is 8300); 0: such decodes have none
     #: (stock engines: no leases, no reuse from them).
     decode_control_port: int = 0
+    #: How prefill's KV reaches decode: ``pull`` (decode READs it once prefill answered;
+    #: reuse pulls the history back into prefill or continues on the holder decode) or
+    #: ``push`` (decode registers its blocks while prefill computes and prefill WRITEs into
+    #: them; reuse continues on the holder decode). The engines must run the matching
+    #: connector (``kvturn up --transfer``); push needs each prefill's control URL.
+    transfer: str = "pull"
     #: The secret decode engines' kvturn control servers require (``KVTURN_CONTROL_SECRET``).
     control_secret: str | None = field(default=None, repr=False)
     #: The API keys callers must present, each naming a tenant (none: the gateway is open).
@@ -101,6 +107,13 @@ class GatewayConfig:
             raise ValueError(f"local_preference must be >= 0, not {self.local_preference}")
         if not self.local_stall_weight >= 0:
             raise ValueError(f"local_stall_weight must be >= 0, not {self.local_stall_weight}")
+        if self.transfer not in ("pull", "push"):
+            raise ValueError(f"transfer must be pull or push, not {self.transfer!r}")
+        if self.transfer == "push" and any(p.control_url is None for p in self.prefill):
+            raise ValueError(
+                "push transfer needs each prefill engine's kvturn control URL (its NIXL "
+                "identity): --prefill-control or KVTURN_PREFILL_CONTROL_URLS"
+            )
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be positive, not {self.lease_s}")
         if self.expiry_margin_s >= self.lease_s:
@@ -131,7 +144,7 @@ class GatewayConfig:
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
             "implicit_conversations": parse_flag, "state": str, "state_timeout_s": float,
-            "decode_control_port": int,
+            "decode_control_port": int, "transfer": str,
         }  # fmt: skip
         for name, kind in typed.items():
             value = os.environ.get(f"KVTURN_{name.upper()}")

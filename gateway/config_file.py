@@ -21,7 +21,8 @@ gateway listens, its API keys and any gateway setting by the name ``kvturn serve
     url = "http://10.0.0.2:8000"
     control_url = "http://10.0.0.2:8300"  # the connector's kvturn_control_port
 
-A decode listed without ``control_url`` has none, unless ``[gateway] decode_control_port`` is
+A prefill needs ``control_url`` only with ``[gateway] transfer = "push"``. A decode listed
+without ``control_url`` has none, unless ``[gateway] decode_control_port`` is
 set: then its control server is that port of the decode's own host (``kvturn engine``'s
 convention, default 8300), and each engine is listed once, by its URL alone.
 
@@ -105,7 +106,7 @@ class DeploymentFile(BaseModel):
         """The pools the file names (only those it names)."""
         pools: dict[str, tuple[EngineEndpoint, ...]] = {}
         if self.prefill:
-            pools["prefill"] = tuple(EngineEndpoint(e.url) for e in self.prefill)
+            pools["prefill"] = tuple(EngineEndpoint(e.url, e.control_url) for e in self.prefill)
         if self.decode:
             pools["decode"] = tuple(EngineEndpoint(e.url, e.control_url) for e in self.decode)
         return pools

@@ -1,4 +1,5 @@
-"""The gateway's side of decode leases: the kvturn control channel of each decode engine.
+"""The gateway's side of decode leases: the kvturn control channel of each decode engine
+(and, in push mode, of each prefill engine, for its NIXL identity).
 
 Every call carries the shared secret (``Authorization: Bearer``). A holder that cannot be
 reached or answers an error is treated as holding nothing: the turn recomputes.
@@ -86,6 +87,13 @@ class LeaseClient:
     async def wake(self, control_url: str) -> None:
         """Tell an idle decode a turn is on its way (it stops pacing its idle steps)."""
         await self._call("POST", f"{control_url}/kvturn/wake")
+
+    async def identity(self, control_url: str) -> dict[str, Any] | None:
+        """An engine's NIXL identity (engine id, side channel, parallel sizes), or ``None``."""
+        answer = await self._call("GET", f"{control_url}/kvturn/identity")
+        if answer is None or answer[0] != 200 or not answer[1].get("engine_id"):
+            return None
+        return answer[1]
 
     async def stats(self, control_url: str) -> dict[str, Any] | None:
         answer = await self._call("GET", f"{control_url}/kvturn/leases")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvturn.gateway.config import EngineEndpoint
@@ -28,6 +29,9 @@ class Instance:
     #: bytes of one token's KV (0 until known).
     block_size: int = field(default=0, init=False)
     kv_bytes_per_token: int = field(default=0, init=False)
+    #: Push mode, prefill engines: the NIXL identity its control server reports (engine id,
+    #: side channel, parallel sizes), asked once and asked again after a failure.
+    identity: dict[str, Any] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or "127.0.0.1"

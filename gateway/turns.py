@@ -69,6 +69,7 @@ from kvturn.kv_params import (
     KV_BYTES_PER_TOKEN_KEY,
     PREFILL_FOR_REMOTE_DECODE,
     PREFIX_DIGESTS_KEY,
+    PROMPT_TOKENS_KEY,
     last_prefix_digest,
 )
 
@@ -259,6 +260,8 @@ class TurnRunner:
                 if reuse.previous_key is not None:
                     self._release_later(reuse.holder, reuse.previous_key)
                 reuse = self._decode_failed_reuse()
+        if self.config.transfer == "push":
+            return await self._serve_push(turn, taken, reuse.plan, failed)
         for attempt in range(2):
             prefilled = await self._prefill(turn, reuse)
             if isinstance(prefilled, Reply):
@@ -287,6 +290,138 @@ class TurnRunner:
         plan = TurnPlan("recompute", "decode-failed")
         self.metrics.fallbacks_by[plan.reason].inc()
         return Reuse(plan)
+
+    # ---- push ------------------------------------------------------------------------------
+
+    async def _serve_push(
+        self, turn: Turn, taken: Taken | None, plan: TurnPlan, failed: Instance | None
+    ) -> Reply:
+        """Push P/D (``transfer="push"``): decode registers its blocks with prefill while
+        prefill computes, and prefill WRITEs the KV into them, so prefill and decode are sent
+        the turn at once, under one request id (how upstream's push pairs the two requests).
+        Decode is chosen at dispatch, as it cannot wait for prefill's answer: the least
+        loaded, the conversation's holder on a tie. If prefill fails, decode's request is
+        aborted and the turn is served by a decode alone; if decode fails before replying,
+        the turn is pushed once more, to another decode if there is one."""
+        for attempt in range(2):
+            try:
+                return await self._push_turn(turn, taken, plan, avoid=failed)
+            except DecodeFailed as failure:
+                failed = self._decode_failed(failure)
+                if attempt == 1:
+                    raise UpstreamError(f"decode failed twice ({failure})") from failure
+                plan = self._decode_failed_reuse().plan
+        raise AssertionError("unreachable")
+
+    async def _push_turn(
+        self, turn: Turn, taken: Taken | None, plan: TurnPlan, avoid: Instance | None
+    ) -> Reply:
+        try:
+            prefill = self.prefill.choose()
+        except NoHealthyEngine:
+            return await self._decode_alone(turn, taken, "no-prefill", avoid)
+        assert prefill.control_url is not None  # GatewayConfig checks it for push
+        identity = prefill.identity
+        if identity is None:
+            identity = prefill.identity = await self.leases.identity(prefill.control_url)
+        if identity is None:
+            logger.warning("prefill %s: no NIXL identity from its control server", prefill.url)
+            prefill.healthy = False
+            return await self._decode_alone(turn, taken, "prefill-unreachable", avoid)
+        request_id = f"kvturn-{os.urandom(16).hex()}"
+        pushed = PrefillResult(
+            prefill,
+            {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": identity["engine_id"],
+                "remote_host": prefill.host,
+                "remote_port": int(identity["side_channel_port"]),
+                "tp_size": int(identity.get("tp_size") or 1),
+                "pp_size": int(identity.get("pp_size") or 1),
+                "remote_block_ids": None,
+                # Prefill's own id for the request carries a suffix vLLM draws at random;
+                # decode uses this one only to name the request in heartbeats to prefill
+                # (prefill matches decode's registration by the id both were sent).
+                "remote_request_id": request_id,
+            },
+            prompt_tokens=0,
+            reused_tokens=0,
+            plan=plan,
+        )
+        prefilling = asyncio.ensure_future(self._push_prefill(turn, prefill, request_id, pushed))
+        decoding = asyncio.ensure_future(
+            self._decode(turn, taken, pushed, avoid=avoid, request_id=request_id)
+        )
+        try:
+            await asyncio.wait({prefilling, decoding}, return_when=asyncio.FIRST_COMPLETED)
+            if decoding.done() and (
+                decoding.exception() is not None or decoding.result().status != 200
+            ):
+                # Decode failed before replying (pushed again), or refused the request (its
+                # answer is the client's): prefill's work would be written nowhere.
+                prefilling.cancel()
+                await asyncio.gather(prefilling, return_exceptions=True)
+                return decoding.result()
+            ok = await prefilling
+        except BaseException:
+            prefilling.cancel()
+            decoding.cancel()
+            await asyncio.gather(prefilling, decoding, return_exceptions=True)
+            if decoding.done() and not decoding.cancelled() and decoding.exception() is None:
+                await _abandon(decoding.result())
+            raise
+        if ok:
+            return await decoding
+        # Prefill failed: its KV will never be written. Abort decode's request (its blocks
+        # return once its registration times out, see kvturn.connector.push).
+        decoding.cancel()
+        await asyncio.gather(decoding, return_exceptions=True)
+        if not decoding.cancelled() and decoding.exception() is None:
+            await _abandon(decoding.result())
+        prefill.identity = None  # a restarted engine has a new one
+        return await self._decode_alone(turn, taken, "prefill-failed", avoid)
+
+    async def _push_prefill(
+        self, turn: Turn, prefill: Instance, request_id: str, pushed: PrefillResult
+    ) -> bool:
+        """Prefill's half of a push turn; whether it computed the prompt (and so writes it)."""
+        body = _prefill_body(turn.body, RECOMPUTE_PARAMS)
+        prefill.in_flight += 1
+        started = time.perf_counter()
+        try:
+            response = await self.upstream.post_json(
+                prefill.url + turn.path, body, {"X-Request-Id": request_id}
+            )
+        except UpstreamUnavailable:
+            prefill.healthy = False
+            response = None
+        finally:
+            prefill.in_flight -= 1
+        if response is None or response.status != 200:
+            logger.warning("push prefill failed (%s); serving on decode alone", _status(response))
+            self.metrics.upstream_errors_by["prefill"].inc()
+            return False
+        pushed.finished_at = time.perf_counter()
+        self.metrics.prefill_seconds_by[pushed.plan.plan].observe(pushed.finished_at - started)
+        usage = response.json().get("usage") or {}
+        pushed.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        seconds = pushed.finished_at - started
+        self.costs.observe_prefill(prefill.url, pushed.prompt_tokens, 0, seconds)
+        return True
+
+    async def _decode_alone(
+        self, turn: Turn, taken: Taken | None, reason: str, avoid: Instance | None
+    ) -> Reply:
+        """The turn on a decode engine by itself, which computes the whole prompt."""
+        plan = TurnPlan("recompute", reason)
+        self.metrics.fallbacks_by[reason].inc()
+        alone = PrefillResult(None, {}, 0, 0, plan)
+        try:
+            return await self._decode(turn, taken, alone, avoid=avoid)
+        except DecodeFailed as failure:
+            failed = self._decode_failed(failure)
+            return await self._decode(turn, taken, alone, avoid=failed)
 
     def _wake_decode(self, conversation: Conversation | None) -> None:
         """An idle decode paces its empty steps (up to a quarter second apart while it holds
@@ -343,6 +478,17 @@ class TurnRunner:
             return Reuse(plan)
 
         plan, prompt_tokens = await self._choose(turn, holder, held, digest, digest_tokens)
+        if plan.pulls and self.config.transfer == "push":
+            # Push mode has no pull (see kvturn.connector.push). Where a pull would have been
+            # cheaper than a local prefill, a local one is still far cheaper than recomputing
+            # the history; otherwise prefill recomputes and pushes to the holder (preferred as
+            # decode), whose prefix cache covers the history: only the suffix is written. The
+            # old lease keeps the history cached until the new turn is recorded.
+            if plan.reason != "cheaper":
+                plan = TurnPlan("recompute", plan.reason)
+                self.metrics.fallbacks_by[plan.reason].inc()
+                return Reuse(plan)
+            plan = TurnPlan("decode-local", "no-pull-in-push")
         if plan.local:
             # The holder's prefix cache serves whole blocks of the verified prefix; the last
             # prompt token is always computed.
@@ -500,6 +646,7 @@ class TurnRunner:
         target: Instance | None = None,
         supersedes: str | None = None,
         avoid: Instance | None = None,
+        request_id: str | None = None,
     ) -> Reply:
         """Decode's reply: after prefill (on a decode other than ``avoid``, if there is one),
         or (``target``, a ``decode-local`` turn) on the holder alone, whose new lease then
@@ -514,8 +661,8 @@ class TurnRunner:
             except NoHealthyEngine:
                 instance = self.decode.choose(prefer=prefer)
         # 128 random bits: the reply's id is made of it (no turn counter shows through), and
-        # decode publishes the KV it retains under it.
-        request_id = f"kvturn-{os.urandom(16).hex()}"
+        # decode publishes the KV it retains under it. (A push turn's prefill shares it.)
+        request_id = request_id or f"kvturn-{os.urandom(16).hex()}"
         body = dict(turn.body)
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
@@ -632,6 +779,8 @@ class TurnRunner:
     ) -> None:
         """A streamed turn's first token: what decode added after prefill (or, locally,
         what the holder's own prefill of the suffix took)."""
+        if prefilled.instance is None and not prefilled.plan.local:
+            return  # a decode alone computed the whole prompt: neither cost
         if prefilled.plan.local:
             suffix = max(1, prefilled.prompt_tokens - prefilled.reused_tokens)
             self.costs.observe_local(decode.url, suffix, seconds)
@@ -697,7 +846,10 @@ class TurnRunner:
                 # turn's prompt. (Its reply, re-rendered from text by the chat template, need
                 # not come back as the same tokens; the cache still serves what matches.)
                 digests = retained.get(PREFIX_DIGESTS_KEY) or []
-                chunks = min(len(digests), after.prompt_tokens // DIGEST_CHUNK_TOKENS)
+                # (Decode says how long the prompt was: a push turn or one a decode served
+                # alone learns it no other way.)
+                prompt_tokens = int(retained.get(PROMPT_TOKENS_KEY) or after.prompt_tokens)
+                chunks = min(len(digests), prompt_tokens // DIGEST_CHUNK_TOKENS)
                 held = Held(
                     holder.url,
                     request_id,
@@ -832,6 +984,12 @@ class _Relay:
                 self.collector.feed(chunk)
         return chunk
 
+    async def abandon(self) -> None:
+        """Close it unsent: the turn is served another way, and counted there."""
+        self.first = False
+        self.broken = True
+        await self.aclose()
+
     async def aclose(self) -> None:
         if self.closed:
             return
@@ -870,6 +1028,12 @@ def _passthrough(status: int, payload: bytes, headers: dict[str, str] | None = N
 
 def _status(response: Any) -> str:
     return "unreachable" if response is None else f"HTTP {response.status}"
+
+
+async def _abandon(reply: Reply) -> None:
+    """Close a decode reply the client will never see (its turn is served another way)."""
+    if isinstance(reply.stream, _Relay):
+        await reply.stream.abandon()
 
 
 class DecodeFailed(Exception):

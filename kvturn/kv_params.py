@@ -38,6 +38,9 @@ PREFIX_DIGESTS_KEY: Final = "kvturn_prefix_digests"
 BLOCK_SIZE_KEY: Final = "kvturn_block_size"
 #: Bytes one token's KV occupies on the holder (all layers), for "KV bytes moved".
 KV_BYTES_PER_TOKEN_KEY: Final = "kvturn_kv_bytes_per_token"
+#: How many of the retained tokens were the turn's prompt (the rest, its reply): the prefix the
+#: next turn's prompt starts with, unedited.
+PROMPT_TOKENS_KEY: Final = "kvturn_prompt_tokens"
 
 
 def prefix_digests(token_ids: Sequence[int], chunk: int = DIGEST_CHUNK_TOKENS) -> list[str]:

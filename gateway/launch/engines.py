@@ -41,8 +41,16 @@ class EngineError(RuntimeError):
 class KVSettings:
     """The connector settings shared by every engine of a deployment."""
 
+    #: ``pull``: prefill computes, then decode READs the KV (vLLM's NixlConnector), and a
+    #: later turn may pull the history back into prefill. ``push``: decode registers its blocks
+    #: with prefill while prefill computes, and prefill WRITEs into them (NixlPushConnector);
+    #: reuse is decode-local (see :mod:`kvturn.connector.push`).
+    transfer: Literal["pull", "push"] = "pull"
     bidirectional: bool = True
     decoder_kv_blocks_ttl_s: int = 480
+    #: Push mode: how long a decode keeps blocks registered for a push that never came
+    #: (its prefill died) once the request was aborted.
+    push_registration_timeout_s: int = 60
     kv_recompute_threshold: int = 64
     nixl_progress_delay_us: int = 1000
 
@@ -110,19 +118,24 @@ class EngineSpec:
     def kv_transfer_config(self) -> dict[str, object] | None:
         if self.role == "single":
             return None
+        push = self.kv.transfer == "push"
         extra: dict[str, object] = {
-            "bidirectional_kv_xfer": self.kv.bidirectional,
+            # Upstream's push connector refuses bidirectional transfer; kvturn reuses on
+            # decode instead (kvturn.connector.push).
+            "bidirectional_kv_xfer": self.kv.bidirectional and not push,
             "decoder_kv_blocks_ttl": self.kv.decoder_kv_blocks_ttl_s,
             "kv_recompute_threshold": self.kv.kv_recompute_threshold,
         }
+        if push:
+            extra["push_registration_timeout"] = self.kv.push_registration_timeout_s
         if self.device == "cpu":
             extra["kvturn_nixl_progress_delay_us"] = self.kv.nixl_progress_delay_us
         if self.control_port:
             extra["kvturn_control_port"] = self.control_port
             extra["kvturn_control_host"] = self.host
         return {
-            "kv_connector": "KvturnConnector",
-            "kv_connector_module_path": "kvturn.connector.nixl",
+            "kv_connector": "KvturnPushConnector" if push else "KvturnConnector",
+            "kv_connector_module_path": f"kvturn.connector.{'push' if push else 'nixl'}",
             "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
             "kv_buffer_device": self.device,
             "kv_load_failure_policy": "fail",
@@ -387,7 +400,11 @@ def plan_specs(
                 model=model,
                 port=base_port + i,
                 side_channel_port=base_port + 100 + i * 10,
-                control_port=base_port + 200 + i if role == "decode" else 0,
+                # Push mode: the gateway asks each prefill's control server for its NIXL
+                # identity, which decode needs before prefill has answered.
+                control_port=(
+                    base_port + 200 + i if role == "decode" or kv.transfer == "push" else 0
+                ),
                 cpu=cpus[i % len(cpus)],
                 kv=kv,
                 served_model_name=served_model_name,

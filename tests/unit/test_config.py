@@ -61,6 +61,42 @@ def test_up_flags_reach_the_engines(tmp_path: Path) -> None:
     assert [bool(s.control_port) for s in specs] == [False, True, True]
 
 
+def test_up_transfer_push_starts_push_engines_with_reachable_prefills(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    args = build_parser().parse_args(
+        ["up", "--transfer", "push", "--push-registration-timeout", "12", "--kv-ttl", "30"]
+    )
+    specs = engine_specs(args, tmp_path, "m")
+    for spec in specs:
+        command = spec.command()
+        config = json.loads(command[command.index("--kv-transfer-config") + 1])
+        assert config["kv_connector"] == "KvturnPushConnector"
+        assert config["kv_connector_module_path"] == "kvturn.connector.push"
+        extra = config["kv_connector_extra_config"]
+        # Upstream's push connector refuses bidirectional transfer.
+        assert extra["bidirectional_kv_xfer"] is False
+        assert extra["push_registration_timeout"] == 12
+        # Every engine has a control server: a prefill's tells the gateway its NIXL identity.
+        assert extra["kvturn_control_port"] == spec.control_port > 0
+    pull = engine_specs(build_parser().parse_args(["up"]), tmp_path, "m")
+    assert [bool(s.control_port) for s in pull] == [False, True]
+
+
+def test_push_needs_each_prefills_control_url() -> None:
+    decode = endpoints(["http://d"], ["http://dc"])
+    with pytest.raises(ValueError, match="push transfer needs each prefill"):
+        GatewayConfig(prefill=endpoints(["http://p"]), decode=decode, transfer="push")
+    with pytest.raises(ValueError, match="pull or push"):
+        GatewayConfig(transfer="write")
+    prefill = endpoints(["http://p"], ["http://pc"])
+    assert GatewayConfig(prefill=prefill, decode=decode, transfer="push").transfer == "push"
+    args = build_parser().parse_args(
+        ["serve", "--prefill", "http://p", "--prefill-control", "http://pc", "--decode",
+         "http://d", "--transfer", "push"]
+    )  # fmt: skip
+    assert args.transfer == "push" and args.prefill_control == ["http://pc"]
+
+
 def test_decode_kv_blocks_caps_only_the_decodes(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 20480}))
     args = build_parser().parse_args(["up", "--decode-kv-blocks", "40"])

@@ -180,7 +180,8 @@ def test_block_usage_counts_shared_blocks_once() -> None:
 @pytest.fixture
 def control() -> tuple[LeaseTable, str]:
     table = LeaseTable(time.monotonic, max_lease_s=60)
-    server = ControlServer(table, "127.0.0.1", 0, secret="s3cret").start()
+    identity = {"engine_id": "e-1", "side_channel_port": 5600, "transfer_mode": "push"}
+    server = ControlServer(table, "127.0.0.1", 0, secret="s3cret", identity=identity).start()
     yield table, f"http://127.0.0.1:{server.port}/kvturn"
     server.stop()
 
@@ -195,6 +196,7 @@ def test_control_channel_needs_the_secret(control: tuple[LeaseTable, str]) -> No
         assert httpx.delete(f"{base}/leases/r1", headers=headers).status_code == 401
         assert httpx.post(f"{base}/leases/r1/claim", headers=headers).status_code == 401
         assert httpx.get(f"{base}/retained/r1", headers=headers).status_code == 401
+        assert httpx.get(f"{base}/identity", headers=headers).status_code == 401
     lease = table.get("r1")
     assert lease is not None and lease.expires_at == before and lease.claimed_until == 0
     assert httpx.get(f"{base}/health").json() == {"ok": True}
@@ -224,6 +226,8 @@ def test_control_channel_routes(control: tuple[LeaseTable, str]) -> None:
     assert gone.status_code == 404 and gone.json()["reason"] == "released"
     stats = httpx.get(f"{base}/leases", headers=auth).json()
     assert stats["retained"] == 2 and stats["ended"] == {"released": 1}
+    identity = httpx.get(f"{base}/identity", headers=auth).json()
+    assert identity == {"engine_id": "e-1", "side_channel_port": 5600, "transfer_mode": "push"}
 
 
 def test_idle_pacing_is_short_then_long_and_a_wake_restarts_it() -> None:
