@@ -26,6 +26,10 @@ sent with the turn):
     The engine's NIXL identity: ``engine_id``, ``side_channel_host``, ``side_channel_port``,
     ``tp_size``, ``pp_size``, ``transfer_mode`` (``pull``/``push``). A push-mode gateway names
     the prefill to the decode that registers its blocks with it before prefill has answered.
+``GET /kvturn/pushes/{key}?wait_ms=N``
+    Push mode, decode: ``{"state": "arrived"}`` once the KV a prefill pushed for the request has
+    arrived (waiting up to N ms for it), else ``awaiting`` (registered, nothing written yet) or
+    ``unknown`` (not scheduled yet, or not a push request).
 ``GET /kvturn/leases``
     Counters: live leases, blocks they hold, retained, renewed, claimed, ended by reason.
 ``GET /kvturn/health``
@@ -74,8 +78,14 @@ class ControlServer:
         identity: dict[str, Any] | None = None,
     ):
         self.leases = leases
+        #: Push mode, decode: a :class:`~kvturn.connector.push.PushArrivals`.
+        self.pushes: Any = None
         handler = _make_handler(
-            leases, secret.encode() if secret else None, on_call, dict(identity or {})
+            leases,
+            secret.encode() if secret else None,
+            on_call,
+            dict(identity or {}),
+            lambda: self.pushes,
         )
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
@@ -102,6 +112,7 @@ def _make_handler(
     secret: bytes | None,
     on_call: Callable[[], None] | None,
     identity: dict[str, Any],
+    pushes: Callable[[], Any],
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -117,13 +128,15 @@ def _make_handler(
             elif parts == ["kvturn", "identity"]:
                 self._send(200, identity)
             elif len(parts) == 3 and parts[:2] == ["kvturn", "retained"]:
-                try:
-                    wait_s = min(float(query.get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
-                except ValueError:
-                    self._send(400, {"error": "wait_ms must be a number"})
-                    return
-                lease = leases.get(parts[2], wait_s=max(wait_s, 0.0))
-                self._answer(parts[2], lease)
+                wait_s = self._wait_s(query)
+                if wait_s is not None:
+                    self._answer(parts[2], leases.get(parts[2], wait_s=wait_s))
+            elif len(parts) == 3 and parts[:2] == ["kvturn", "pushes"]:
+                wait_s = self._wait_s(query)
+                arrivals = pushes()
+                if wait_s is not None:
+                    state = "unknown" if arrivals is None else arrivals.wait(parts[2], wait_s)
+                    self._send(200, {"state": state})
             else:
                 self._send(404, {"error": "not found"})
 
@@ -175,6 +188,14 @@ def _make_handler(
         def _route(self) -> tuple[list[str], dict[str, list[str]]]:
             url = urlsplit(self.path)
             return [unquote(p) for p in url.path.strip("/").split("/")], parse_qs(url.query)
+
+        def _wait_s(self, query: dict[str, list[str]]) -> float | None:
+            try:
+                wait_s = min(float(query.get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
+            except ValueError:
+                self._send(400, {"error": "wait_ms must be a number"})
+                return None
+            return max(wait_s, 0.0)
 
         def _authorized(self) -> bool:
             if secret is None:

@@ -5,7 +5,9 @@ Load it into a vLLM engine with::
     --kv-transfer-config '{"kv_connector": "KvturnConnector",
                            "kv_connector_module_path": "kvturn.connector.nixl", ...}'
 
-It overrides only what kvturn needs, on the scheduler side:
+It overrides only what kvturn needs, on the scheduler side. What is not specific to pull
+transfer lives in :class:`KvturnConnectorBase`, which the push connector
+(:mod:`kvturn.connector.push`) shares:
 
 * **Decode leases** (``request_finished_all_groups``, ``build_connector_meta``): NixlConnector
   in bidirectional mode keeps every finished decode request's blocks for a fixed TTL

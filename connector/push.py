@@ -46,12 +46,15 @@ What this adds on decode, scheduler side only:
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Literal
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPushConnector
 from vllm.v1.request import RequestStatus
 
+from kvturn.connector.leases import publication_key
 from kvturn.connector.nixl import CONVERSATION_KEY, KvturnConnectorBase, aborted_after_decoding
 
 if TYPE_CHECKING:
@@ -67,6 +70,38 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+PushState = Literal["unknown", "awaiting", "arrived"]
+
+
+class PushArrivals:
+    """Whether the KV pushed for a decode request has arrived, by the gateway's request id:
+    asked from the control server's thread while the engine's thread records it.
+
+    Nothing in vLLM tells decode, or anyone, that a prefill's WRITE failed (or that the prefill
+    died after answering): the request just waits. The gateway, once prefill has answered,
+    asks here; a push still awaited a while later will not come, and the gateway serves the
+    turn another way."""
+
+    def __init__(self, capacity: int = 10_000):
+        self._changed = threading.Condition()
+        self._states: OrderedDict[str, PushState] = OrderedDict()
+        self._capacity = capacity
+
+    def set(self, request_id: str, state: PushState) -> None:
+        key = publication_key(request_id)
+        with self._changed:
+            self._states[key] = state
+            self._states.move_to_end(key)
+            while len(self._states) > self._capacity:
+                self._states.popitem(last=False)
+            self._changed.notify_all()
+
+    def wait(self, key: str, timeout_s: float) -> PushState:
+        """The request's state once its push arrived, or as it is after ``timeout_s``."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._states.get(key) == "arrived", timeout_s)
+            return self._states.get(key, "unknown")
 
 
 class KvturnPushConnector(KvturnConnectorBase, NixlPushConnector):
@@ -93,13 +128,21 @@ class KvturnPushConnector(KvturnConnectorBase, NixlPushConnector):
         self._given_up: set[str] = set()
         # Finished turns retained this step: named to the worker with their deadline.
         self._retained_now: set[str] = set()
+        self.arrivals = PushArrivals()
+        if self._control is not None:
+            self._control.pushes = self.arrivals
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and num_external_tokens > 0:
-            self._awaiting[request.request_id] = time.perf_counter() + self._registration_timeout_s
+        if params and params.get("do_remote_prefill"):
+            if num_external_tokens > 0:
+                deadline = time.perf_counter() + self._registration_timeout_s
+                self._awaiting[request.request_id] = deadline
+                self.arrivals.set(request.request_id, "awaiting")
+            else:  # its prefix cache holds the whole prompt: nothing to receive
+                self.arrivals.set(request.request_id, "arrived")
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -129,7 +172,8 @@ class KvturnPushConnector(KvturnConnectorBase, NixlPushConnector):
         if received or connector_output.finished_recving is not None:
             connector_output.finished_recving = received
         for request_id in received:
-            self._awaiting.pop(request_id, None)
+            if self._awaiting.pop(request_id, None) is not None:
+                self.arrivals.set(request_id, "arrived")
         super().update_connector_output(connector_output)
 
     def request_finished_all_groups(

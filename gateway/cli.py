@@ -291,6 +291,7 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
         "control port of decodes given without a control URL: http://<decode host>:<port>",
     ),
     "transfer": (str, "pull (decode reads from prefill) or push (prefill writes to decode)"),
+    "push_write_timeout_s": (float, "push: seconds decode may await pushed KV (then alone)"),
 }
 
 

@@ -92,6 +92,10 @@ class GatewayConfig:
     #: them; reuse continues on the holder decode). The engines must run the matching
     #: connector (``kvturn up --transfer``); push needs each prefill's control URL.
     transfer: str = "pull"
+    #: Push mode: once prefill has answered (and so writes the KV), how long decode may await
+    #: that KV before the turn is taken to be lost (a failed write, a prefill that died) and
+    #: served by a decode alone.
+    push_write_timeout_s: float = 10.0
     #: The secret decode engines' kvturn control servers require (``KVTURN_CONTROL_SECRET``).
     control_secret: str | None = field(default=None, repr=False)
     #: The API keys callers must present, each naming a tenant (none: the gateway is open).
@@ -144,7 +148,7 @@ class GatewayConfig:
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
             "implicit_conversations": parse_flag, "state": str, "state_timeout_s": float,
-            "decode_control_port": int, "transfer": str,
+            "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,
         }  # fmt: skip
         for name, kind in typed.items():
             value = os.environ.get(f"KVTURN_{name.upper()}")

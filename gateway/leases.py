@@ -95,6 +95,15 @@ class LeaseClient:
             return None
         return answer[1]
 
+    async def push_state(self, control_url: str, key: str, wait_s: float) -> str | None:
+        """Push mode, decode: ``arrived``, ``awaiting`` or ``unknown`` for the KV pushed for
+        ``key`` (waiting up to ``wait_s`` for it to arrive); ``None`` if decode cannot say."""
+        url = f"{control_url}/kvturn/pushes/{quote(key)}?wait_ms={int(wait_s * 1000)}"
+        answer = await self._call("GET", url, timeout_s=wait_s + _TIMEOUT_S)
+        if answer is None or answer[0] != 200:
+            return None
+        return str(answer[1].get("state") or "unknown")
+
     async def stats(self, control_url: str) -> dict[str, Any] | None:
         answer = await self._call("GET", f"{control_url}/kvturn/leases")
         return answer[1] if answer is not None and answer[0] == 200 else None

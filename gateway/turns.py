@@ -1,4 +1,5 @@
 """One turn through prefill and decode: plan, pull or recompute, stream back, remember.
+(With ``transfer="push"``: prefill and decode at once, prefill writing into decode's blocks.)
 
 This module only shapes requests, carries ``kv_transfer_params`` between the engines and
 updates the conversation table. Routing lives in :mod:`.pools`, the decision in
@@ -349,10 +350,18 @@ class TurnRunner:
             reused_tokens=0,
             plan=plan,
         )
+        conversation = taken.conversation if taken is not None else None
+        try:
+            decode = self.decode.choose(
+                prefer=conversation.holder_url if conversation else None, exclude=avoid
+            )
+        except NoHealthyEngine:
+            decode = self.decode.choose()
         prefilling = asyncio.ensure_future(self._push_prefill(turn, prefill, request_id, pushed))
         decoding = asyncio.ensure_future(
-            self._decode(turn, taken, pushed, avoid=avoid, request_id=request_id)
+            self._decode(turn, taken, pushed, target=decode, request_id=request_id)
         )
+        watching: asyncio.Future[bool] | None = None
         try:
             await asyncio.wait({prefilling, decoding}, return_when=asyncio.FIRST_COMPLETED)
             if decoding.done() and (
@@ -363,24 +372,53 @@ class TurnRunner:
                 prefilling.cancel()
                 await asyncio.gather(prefilling, return_exceptions=True)
                 return decoding.result()
-            ok = await prefilling
+            if not await prefilling:
+                # Prefill failed: its KV will never be written. Abort decode's request (its
+                # blocks return once its registration times out, see kvturn.connector.push).
+                prefill.identity = None  # a restarted engine has a new one
+                await _cancel_reply(decoding)
+                return await self._decode_alone(turn, taken, "prefill-failed", avoid)
+            # Prefill computed the prompt and writes it now. Nothing tells decode if that
+            # write fails (or prefill dies first): it would wait for good. Ask it.
+            watching = asyncio.ensure_future(self._push_arrives(decode, request_id))
+            await asyncio.wait({watching, decoding}, return_when=asyncio.FIRST_COMPLETED)
+            if decoding.done() and (decoding.exception() is not None or not _streamed(decoding)):
+                return decoding.result()  # a whole reply, or decode failed: pushed again
+            if not await watching:
+                logger.warning(
+                    "decode %s never got the KV prefill pushed; serving alone", decode.url
+                )
+                await _cancel_reply(decoding)
+                return await self._decode_alone(turn, taken, "push-lost", avoid)
+            return await decoding
         except BaseException:
             prefilling.cancel()
-            decoding.cancel()
-            await asyncio.gather(prefilling, decoding, return_exceptions=True)
-            if decoding.done() and not decoding.cancelled() and decoding.exception() is None:
-                await _abandon(decoding.result())
+            if watching is not None:
+                watching.cancel()
+            await _cancel_reply(decoding)
             raise
-        if ok:
-            return await decoding
-        # Prefill failed: its KV will never be written. Abort decode's request (its blocks
-        # return once its registration times out, see kvturn.connector.push).
-        decoding.cancel()
-        await asyncio.gather(decoding, return_exceptions=True)
-        if not decoding.cancelled() and decoding.exception() is None:
-            await _abandon(decoding.result())
-        prefill.identity = None  # a restarted engine has a new one
-        return await self._decode_alone(turn, taken, "prefill-failed", avoid)
+        finally:
+            if watching is not None and not watching.done():
+                watching.cancel()
+
+    async def _push_arrives(self, decode: Instance, request_id: str) -> bool:
+        """Whether the KV prefill pushed reaches ``decode``: False once decode has awaited it
+        for ``push_write_timeout_s`` (time it spends queued, not yet scheduled, is not
+        counted: it registers, and prefill writes, when it is); True if decode cannot say."""
+        if decode.control_url is None:
+            return True
+        loop = asyncio.get_running_loop()
+        timeout_s = self.config.push_write_timeout_s
+        deadline = loop.time() + timeout_s
+        while True:
+            wait_s = max(0.0, min(deadline - loop.time(), 5.0))
+            state = await self.leases.push_state(decode.control_url, request_id, wait_s)
+            if state is None or state == "arrived":
+                return True
+            if state != "awaiting":
+                deadline = loop.time() + timeout_s
+            elif loop.time() >= deadline:
+                return False
 
     async def _push_prefill(
         self, turn: Turn, prefill: Instance, request_id: str, pushed: PrefillResult
@@ -689,7 +727,7 @@ class TurnRunner:
             request_id,
             supersedes,
             turn.implicit,
-            prefilled.prompt_tokens,
+            prefilled,
             salt_digest(turn.body.get("cache_salt")),
         )
 
@@ -848,7 +886,9 @@ class TurnRunner:
                 digests = retained.get(PREFIX_DIGESTS_KEY) or []
                 # (Decode says how long the prompt was: a push turn or one a decode served
                 # alone learns it no other way.)
-                prompt_tokens = int(retained.get(PROMPT_TOKENS_KEY) or after.prompt_tokens)
+                prompt_tokens = int(
+                    retained.get(PROMPT_TOKENS_KEY) or after.prefilled.prompt_tokens
+                )
                 chunks = min(len(digests), prompt_tokens // DIGEST_CHUNK_TOKENS)
                 held = Held(
                     holder.url,
@@ -897,8 +937,9 @@ class _After:
     supersedes: str | None
     #: Implicit conversations: the digest of the turn's messages, and the reply that extends it.
     implicit: bytes | None
-    #: The turn's prompt tokens (what the next turn's prompt starts with, unedited).
-    prompt_tokens: int = 0
+    #: What prefill said of the turn: its prompt tokens (what the next turn's prompt starts
+    #: with, unedited), known once prefill answered (a push turn's, after decode started).
+    prefilled: PrefillResult
     #: The turn's cache salt (digest): the next turn reuses its KV only under the same.
     salt: bytes | None = None
     reply: dict[str, Any] | None = None
@@ -1030,10 +1071,19 @@ def _status(response: Any) -> str:
     return "unreachable" if response is None else f"HTTP {response.status}"
 
 
-async def _abandon(reply: Reply) -> None:
-    """Close a decode reply the client will never see (its turn is served another way)."""
-    if isinstance(reply.stream, _Relay):
-        await reply.stream.abandon()
+async def _cancel_reply(decoding: asyncio.Future[Reply]) -> None:
+    """Call off a decode request whose reply the client will never see (its turn is served
+    another way, or not at all): vLLM aborts a request whose connection closes."""
+    decoding.cancel()
+    await asyncio.gather(decoding, return_exceptions=True)
+    if not decoding.cancelled() and decoding.exception() is None:
+        reply = decoding.result()
+        if isinstance(reply.stream, _Relay):
+            await reply.stream.abandon()
+
+
+def _streamed(decoding: asyncio.Future[Reply]) -> bool:
+    return decoding.result().stream is not None
 
 
 class DecodeFailed(Exception):

@@ -13,6 +13,14 @@ reader abandoned; any other GET is a 404.
 gateway's planner can choose ``decode-local``; every other chat plans a pull, as before): the
 prompt is :data:`_PROMPT_TOKENS` tokens whose first ones are what a decode publishes it holds.
 A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500.
+
+Push mode, as far as the gateway sees it: ``/kvturn/identity`` names the engine; a decode
+request with ``do_remote_prefill`` and a ``remote_engine_id`` of a fake waits (like a real push
+decode) until a prefill request with the same ``X-Request-Id`` has answered 200, and waits on
+for good, until its client leaves (counted as ``push_abandoned``), if that prefill failed. A
+prefill on a port in :data:`FAIL_PREFILL_PORTS` answers 500; one on a port in
+:data:`LOSE_WRITE_PORTS` answers 200 but its write never arrives. ``/kvturn/pushes/{id}``
+says whether a push decode still awaits its KV.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+from urllib.parse import parse_qs
 
 from kvturn.kv_params import PREFIX_DIGESTS_KEY, prefix_digests
 
@@ -35,6 +44,14 @@ LAST_CACHE_SALT: dict[str, str | None] = {"prefill": None, "decode": None}
 _PROMPT_TOKENS = 1000
 #: Ports whose decode requests fail with a 500 (a decode that broke).
 FAIL_DECODE_PORTS: set[int] = set()
+#: Ports whose prefill requests fail with a 500 (push mode: the registration is never written).
+FAIL_PREFILL_PORTS: set[int] = set()
+#: Ports whose prefills answer 200 but whose writes never reach decode.
+LOSE_WRITE_PORTS: set[int] = set()
+#: Push mode: X-Request-Id -> whether its prefill's KV was written to decode.
+_PUSHED: dict[str, bool] = {}
+#: Push mode: X-Request-Id -> "awaiting" or "arrived", as a push decode says.
+_PUSH_STATE: dict[str, str] = {}
 #: What every fake decode says it holds: the prompt's tokens and one more.
 _HELD_DIGESTS = prefix_digests([*range(_PROMPT_TOKENS), 0])
 _METRICS = "".join(
@@ -115,6 +132,19 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if path.startswith("/kvturn/leases"):
         await _lease_route(scope, path, receive, send)
         return
+    if path.startswith("/kvturn/pushes/"):
+        key = path.rsplit("/", 1)[1]
+        wait_s = float(parse_qs(scope.get("query_string", b"").decode()).get("wait_ms", ["0"])[0])
+        deadline = asyncio.get_running_loop().time() + wait_s / 1000
+        while _PUSH_STATE.get(key) != "arrived" and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        await _send_json(send, 200, {"state": _PUSH_STATE.get(key, "unknown")})
+        return
+    if path == "/kvturn/identity":
+        port = scope["server"][1]
+        identity = {"engine_id": f"fake-{port}", "side_channel_port": port, "tp_size": 1}
+        await _send_json(send, 200, identity)
+        return
     if scope["method"] != "POST":
         await _send_json(send, 404, {"error": "not found"})
         return
@@ -147,7 +177,13 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
             await _send_json(send, 429, {"error": {"message": "slow down", "type": "rate_limit"}})
             return
     params = body.get("kv_transfer_params") or {}
+    request_id = dict(scope["headers"]).get(b"x-request-id", b"none").decode()
+    if params.get("do_remote_decode") and scope["server"][1] in FAIL_PREFILL_PORTS:
+        _PUSHED[request_id] = False
+        await _send_json(send, 500, {"error": {"message": "prefill broke", "type": "x"}})
+        return
     if params.get("do_remote_decode"):
+        _PUSHED[request_id] = scope["server"][1] not in LOSE_WRITE_PORTS
         COUNTS["prefill"] += 1
         LAST_CACHE_SALT["prefill"] = body.get("cache_salt")
         reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8
@@ -163,11 +199,18 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if scope["server"][1] in FAIL_DECODE_PORTS:
         await _send_json(send, 500, {"error": {"message": "decode broke", "type": "x"}})
         return
+    if params.get("do_remote_prefill") and str(params.get("remote_engine_id")).startswith("fake-"):
+        # A push decode: it registered its blocks; it goes on once the prefill has written.
+        _PUSH_STATE[request_id] = "awaiting"
+        while not _PUSHED.get(request_id):
+            if not await _wait_unless_abandoned(0.005, receive):
+                COUNTS["push_abandoned"] = COUNTS.get("push_abandoned", 0) + 1
+                return
+        _PUSH_STATE[request_id] = "arrived"
     COUNTS["decode"] += 1
     if not params.get("do_remote_prefill"):
         COUNTS["decode_local"] = COUNTS.get("decode_local", 0) + 1
     LAST_CACHE_SALT["decode"] = body.get("cache_salt")
-    request_id = dict(scope["headers"]).get(b"x-request-id", b"none").decode()
     _RETAINED[request_id] = {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
         "remote_request_id": request_id, "remote_host": "localhost", "remote_port": 2,

@@ -398,3 +398,90 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                     assert failed.json()["error"]["message"].startswith("decode failed twice")
                 finally:
                     fake_engine.FAIL_DECODE_PORTS.clear()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_turns_pair_prefill_and_decode_and_survive_a_failed_prefill(stream: bool) -> None:
+    """Push mode's orchestration (the engines' side is tests/test_push_engines.py): prefill
+    and decode get the turn at once under one request id; a prefill that fails leaves decode
+    waiting for a write that never comes, so the gateway aborts that request and serves the
+    turn on a decode alone."""
+    from tests import fake_engine
+
+    with running_fake_engine() as prefill, running_fake_engine() as decode:
+        config = GatewayConfig(
+            prefill=endpoints([prefill], [prefill]),
+            decode=endpoints([decode], [decode]),
+            transfer="push",
+        )
+        with running_gateway(config) as gateway:
+            before = dict(fake_engine.COUNTS)
+            first = _turn(gateway.url, f"push-{stream}", stream=stream)
+            assert first.headers["x-kvturn-plan"] == "recompute"
+            assert first.headers["x-kvturn-plan-reason"] == "first-turn"
+            assert fake_engine.COUNTS["prefill"] == before["prefill"] + 1
+            assert fake_engine.COUNTS["decode"] == before["decode"] + 1
+            # The holder's prefix cache serves the next short turn: no prefill at all.
+            _recorded(gateway, f"push-{stream}")
+            second = _turn(gateway.url, f"push-{stream}", stream=stream)
+            assert second.headers["x-kvturn-plan"] == "decode-local"
+            assert fake_engine.COUNTS["prefill"] == before["prefill"] + 1
+
+            fake_engine.FAIL_PREFILL_PORTS.add(int(prefill.rsplit(":", 1)[1]))
+            try:
+                abandoned = fake_engine.COUNTS.get("push_abandoned", 0)
+                body = {"model": "fake", "messages": [{"role": "user", "content": "x"}],
+                        "stream": stream}  # fmt: skip
+                started = time.monotonic()
+                failed = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=10)
+                assert failed.status_code == 200, failed.text
+                assert time.monotonic() - started < 5
+                assert failed.headers["x-kvturn-plan"] == "recompute"
+                assert failed.headers["x-kvturn-plan-reason"] == "prefill-failed"
+                deadline = time.monotonic() + 5
+                while fake_engine.COUNTS.get("push_abandoned", 0) == abandoned:
+                    assert time.monotonic() < deadline, "decode's push request was not aborted"
+                    time.sleep(0.02)
+            finally:
+                fake_engine.FAIL_PREFILL_PORTS.clear()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_push_whose_write_never_arrives_is_served_by_decode_alone(stream: bool) -> None:
+    """Prefill answered (so it writes), but the KV never reaches decode (a failed write, or
+    prefill died after answering): nothing in vLLM tells decode, which would wait for good.
+    The gateway asks decode's control server and, after ``push_write_timeout_s``, aborts the
+    request and serves the turn on a decode alone."""
+    from tests import fake_engine
+
+    with running_fake_engine() as prefill, running_fake_engine() as decode:
+        config = GatewayConfig(
+            prefill=endpoints([prefill], [prefill]),
+            decode=endpoints([decode], [decode]),
+            transfer="push",
+            push_write_timeout_s=0.5,
+        )
+        with running_gateway(config) as gateway:
+            body = {"model": "fake", "messages": [{"role": "user", "content": "x"}],
+                    "stream": stream}  # fmt: skip
+            fake_engine.LOSE_WRITE_PORTS.add(int(prefill.rsplit(":", 1)[1]))
+            try:
+                abandoned = fake_engine.COUNTS.get("push_abandoned", 0)
+                started = time.monotonic()
+                lost = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=10)
+                assert lost.status_code == 200, lost.text
+                assert 0.5 <= time.monotonic() - started < 5
+                assert lost.headers["x-kvturn-plan-reason"] == "push-lost"
+                assert '"ok"' in lost.text or '"k"' in lost.text  # the fake decode's reply
+                deadline = time.monotonic() + 5
+                while fake_engine.COUNTS.get("push_abandoned", 0) == abandoned:
+                    assert time.monotonic() < deadline, "decode's push request was not aborted"
+                    time.sleep(0.02)
+            finally:
+                fake_engine.LOSE_WRITE_PORTS.clear()
+            # A push that arrives is not waited on.
+            started = time.monotonic()
+            fine = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=10)
+            assert fine.status_code == 200
+            assert fine.headers["x-kvturn-plan-reason"] != "push-lost"
+            assert time.monotonic() - started < 0.4
