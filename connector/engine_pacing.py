@@ -69,18 +69,21 @@ class IdlePacer:
         self._idle_since: float | None = None
         self._woken = threading.Event()
 
-    def next_wait(self, busy: bool) -> float:
-        """Seconds the step should wait (0 when it scheduled work)."""
+    def next_wait(self, busy: bool, expecting: bool = False) -> float:
+        """Seconds the step should wait (0 when it scheduled work; short while ``expecting``
+        work that no request brings, such as KV a prefill pushes, which only a step sees)."""
         if busy:
             self._idle_since = None
             return 0.0
         now = self._clock()
         if self._idle_since is None:
             self._idle_since = now
-        return self.short_s if now - self._idle_since < self.short_phase_s else self.long_s
+        if expecting or now - self._idle_since < self.short_phase_s:
+            return self.short_s
+        return self.long_s
 
-    def pace(self, busy: bool) -> None:
-        wait_s = self.next_wait(busy)
+    def pace(self, busy: bool, expecting: bool = False) -> None:
+        wait_s = self.next_wait(busy, expecting)
         if wait_s > 0:
             self._woken.wait(wait_s)
             self._woken.clear()

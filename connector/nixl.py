@@ -208,6 +208,10 @@ class KvturnConnectorBase(NixlBaseConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._asked.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            # It holds its blocks while it waits for the KV, before it is ever scheduled.
+            self._usage.set_blocks(request.request_id, blocks.get_block_ids())
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -220,8 +224,13 @@ class KvturnConnectorBase(NixlBaseConnector):
         # in a busy loop to poll the connector, burning a core on an otherwise idle engine.
         # An empty step means nothing is running: pace those steps instead.
         if self._pacer is not None:
-            self._pacer.pace(busy=scheduler_output.total_num_scheduled_tokens > 0)
+            busy = scheduler_output.total_num_scheduled_tokens > 0
+            self._pacer.pace(busy=busy, expecting=self._expecting())
         return meta
+
+    def _expecting(self) -> bool:
+        """Whether work may arrive that no request brings (only a step would see it)."""
+        return False
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
@@ -333,10 +342,9 @@ class KvturnConnector(KvturnConnectorBase, NixlConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
-            self._usage.set_blocks(request.request_id, blocks.get_block_ids())
-        elif (
+        if (
             params
+            and not params.get("do_remote_prefill")
             and params.get(CONVERSATION_KEY)
             and not params.get("do_remote_decode")
             and not params.get("_remote_blocks_processed")

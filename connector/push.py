@@ -158,6 +158,13 @@ class KvturnPushConnector(KvturnConnectorBase, NixlPushConnector):
             self._retained_now.clear()
         return super().build_connector_meta(scheduler_output)
 
+    def _expecting(self) -> bool:
+        # A request awaiting its pushed KV: only an engine step notices that it has arrived.
+        # Paced like an idle engine (kvturn.connector.engine_pacing), a push decode would
+        # notice it up to 250 ms late after 2 s of waiting; stepping flat out instead spins a
+        # core while prefill computes. Steps stay short (10 ms apart) while any is awaited.
+        return bool(self._awaiting)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         received = set(connector_output.finished_recving or ())
         late = received & self._given_up

@@ -410,15 +410,19 @@ class TurnRunner:
         loop = asyncio.get_running_loop()
         timeout_s = self.config.push_write_timeout_s
         deadline = loop.time() + timeout_s
-        while True:
+        # Bounded like any engine request: a decode that never schedules it cannot be judged.
+        give_up = loop.time() + self.config.request_timeout_s
+        while loop.time() < give_up:
             wait_s = max(0.0, min(deadline - loop.time(), 5.0))
             state = await self.leases.push_state(decode.control_url, request_id, wait_s)
             if state is None or state == "arrived":
                 return True
+            if state == "awaiting" and loop.time() >= deadline:
+                return False
             if state != "awaiting":
                 deadline = loop.time() + timeout_s
-            elif loop.time() >= deadline:
-                return False
+                await asyncio.sleep(0.05)
+        return True
 
     async def _push_prefill(
         self, turn: Turn, prefill: Instance, request_id: str, pushed: PrefillResult

@@ -244,6 +244,10 @@ def test_idle_pacing_is_short_then_long_and_a_wake_restarts_it() -> None:
     clock.now += 2.5
     assert pacer.next_wait(busy=False) == 0.25
     assert pacer.next_wait(busy=True) == 0.0 and pacer.next_wait(busy=False) == 0.01
+    # Expecting work no request brings (a push decode awaiting its KV): steps stay short.
+    clock.now += 2.5
+    assert pacer.next_wait(busy=False, expecting=True) == 0.01
+    assert pacer.next_wait(busy=False) == 0.25
     # A wake ends a long wait early.
     sleepy = IdlePacer(short_s=5.0, long_s=5.0)
     threading.Timer(0.05, sleepy.wake).start()
