@@ -361,7 +361,7 @@ class TurnRunner:
         decoding = asyncio.ensure_future(
             self._decode(turn, taken, pushed, target=decode, request_id=request_id)
         )
-        watching: asyncio.Future[bool] | None = None
+        watching: asyncio.Future[bool | None] | None = None
         try:
             await asyncio.wait({prefilling, decoding}, return_when=asyncio.FIRST_COMPLETED)
             if decoding.done() and (
@@ -384,7 +384,12 @@ class TurnRunner:
             await asyncio.wait({watching, decoding}, return_when=asyncio.FIRST_COMPLETED)
             if decoding.done() and (decoding.exception() is not None or not _streamed(decoding)):
                 return decoding.result()  # a whole reply, or decode failed: pushed again
-            if not await watching:
+            arrived = await watching
+            if arrived is None and not await self.upstream.is_healthy(decode.url):
+                # Decode died while it waited (its stream has sent nothing yet): push again.
+                await _cancel_reply(decoding)
+                raise DecodeFailed(decode.url, unreachable=True)
+            if arrived is False:
                 logger.warning(
                     "decode %s never got the KV prefill pushed; serving alone", decode.url
                 )
@@ -401,12 +406,12 @@ class TurnRunner:
             if watching is not None and not watching.done():
                 watching.cancel()
 
-    async def _push_arrives(self, decode: Instance, request_id: str) -> bool:
+    async def _push_arrives(self, decode: Instance, request_id: str) -> bool | None:
         """Whether the KV prefill pushed reaches ``decode``: False once decode has awaited it
         for ``push_write_timeout_s`` (time it spends queued, not yet scheduled, is not
-        counted: it registers, and prefill writes, when it is); True if decode cannot say."""
+        counted: it registers, and prefill writes, when it is); None if decode cannot say."""
         if decode.control_url is None:
-            return True
+            return None
         loop = asyncio.get_running_loop()
         timeout_s = self.config.push_write_timeout_s
         deadline = loop.time() + timeout_s
@@ -415,14 +420,16 @@ class TurnRunner:
         while loop.time() < give_up:
             wait_s = max(0.0, min(deadline - loop.time(), 5.0))
             state = await self.leases.push_state(decode.control_url, request_id, wait_s)
-            if state is None or state == "arrived":
+            if state is None:
+                return None
+            if state == "arrived":
                 return True
             if state == "awaiting" and loop.time() >= deadline:
                 return False
             if state != "awaiting":
                 deadline = loop.time() + timeout_s
                 await asyncio.sleep(0.05)
-        return True
+        return None
 
     async def _push_prefill(
         self, turn: Turn, prefill: Instance, request_id: str, pushed: PrefillResult

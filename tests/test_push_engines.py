@@ -211,3 +211,43 @@ def test_prefill_killed_between_registration_and_write(
                 f"decode's KV usage stayed at {_kv_usage(decode_url)} (baseline {baseline})"
             )
             time.sleep(0.5)
+
+
+@pytest.mark.stops_engines
+def test_decode_killed_after_registering(local_pair: LocalPair, push_engines: Deployment) -> None:
+    """Decode registered its blocks with prefill, then died: the caller gets a clear
+    OpenAI-style error at once (no decode is left to serve the turn), never a hang, and
+    prefill frees the blocks it computed for a write that cannot land (upstream's prefill-side
+    lease, ``kv_lease_duration``, 30 s, which heartbeats from a dead decode no longer renew)."""
+    prefill_url = push_engines.prefill[0].spec.url
+    victim = push_engines.decode[0]
+    with running_gateway(_config(push_engines, 0)) as gateway:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
+        baseline = _kv_usage(victim.spec.url)
+        messages = [{"role": "user", "content": long_prompt(16000, "orphan " + uuid.uuid4().hex)}]
+        outcome: dict[str, Any] = {}
+
+        def turn() -> None:
+            try:
+                run_turn(client, local_pair.model, messages, "orphan-" + uuid.uuid4().hex)
+            except openai.APIError as error:
+                outcome["error"] = error
+
+        worker = threading.Thread(target=turn)
+        worker.start()
+        started = time.monotonic()
+        while _kv_usage(victim.spec.url) <= baseline:
+            assert time.monotonic() - started < 60, "decode never allocated the turn's blocks"
+            time.sleep(0.05)
+        assert victim.pid is not None
+        os.killpg(victim.pid, signal.SIGKILL)
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "the turn hung after its decode died"
+        error = outcome.get("error")
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503, error
+        assert error.code == "no_healthy_engine"
+        # Prefill computed the prompt (its KV waits for a write that cannot land), then frees it.
+        deadline = time.monotonic() + 90
+        while _kv_usage(prefill_url) > 0:
+            assert time.monotonic() < deadline, f"prefill still holds {_kv_usage(prefill_url)}"
+            time.sleep(1)
