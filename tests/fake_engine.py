@@ -14,10 +14,10 @@ gateway's planner can choose ``decode-local``; every other chat plans a pull, as
 prompt is :data:`_PROMPT_TOKENS` tokens whose first ones are what a decode publishes it holds.
 A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500.
 
-Push mode, as far as the gateway sees it: ``/kvturn/identity`` names the engine; a decode
-request with ``do_remote_prefill`` and a ``remote_engine_id`` of a fake waits (like a real push
-decode) until a prefill request with the same ``X-Request-Id`` has answered 200, and waits on
-for good, until its client leaves (counted as ``push_abandoned``), if that prefill failed. A
+Push mode, as far as the gateway sees it: ``/kvturn/identity`` names the engine
+(``fake-push-<port>``); a decode request with ``do_remote_prefill`` from such an engine waits
+(like a real push decode) until a prefill request with the same ``X-Request-Id`` has answered
+200, and waits on for good, until its client leaves (counted as ``push_abandoned``), if that prefill failed. A
 prefill on a port in :data:`FAIL_PREFILL_PORTS` answers 500; one on a port in
 :data:`LOSE_WRITE_PORTS` answers 200 but its write never arrives. ``/kvturn/pushes/{id}``
 says whether a push decode still awaits its KV.
@@ -142,7 +142,7 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         return
     if path == "/kvturn/identity":
         port = scope["server"][1]
-        identity = {"engine_id": f"fake-{port}", "side_channel_port": port, "tp_size": 1}
+        identity = {"engine_id": f"fake-push-{port}", "side_channel_port": port, "tp_size": 1}
         await _send_json(send, 200, identity)
         return
     if scope["method"] != "POST":
@@ -199,7 +199,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if scope["server"][1] in FAIL_DECODE_PORTS:
         await _send_json(send, 500, {"error": {"message": "decode broke", "type": "x"}})
         return
-    if params.get("do_remote_prefill") and str(params.get("remote_engine_id")).startswith("fake-"):
+    push = str(params.get("remote_engine_id")).startswith("fake-push-")
+    if params.get("do_remote_prefill") and push:
         # A push decode: it registered its blocks; it goes on once the prefill has written.
         _PUSH_STATE[request_id] = "awaiting"
         while not _PUSHED.get(request_id):
