@@ -17,8 +17,8 @@ A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500.
 Push mode, as far as the gateway sees it: ``/kvturn/identity`` names the engine
 (``fake-push-<port>``); a decode request with ``do_remote_prefill`` from such an engine waits
 (like a real push decode) until a prefill request with the same ``X-Request-Id`` has answered
-200, and waits on for good, until its client leaves (counted as ``push_abandoned``), if that prefill failed. A
-prefill on a port in :data:`FAIL_PREFILL_PORTS` answers 500; one on a port in
+200, and waits on for good, until its client leaves (counted as ``push_abandoned``), if that
+prefill failed. A prefill on a port in :data:`FAIL_PREFILL_PORTS` answers 500; one on a port in
 :data:`LOSE_WRITE_PORTS` answers 200 but its write never arrives. ``/kvturn/pushes/{id}``
 says whether a push decode still awaits its KV.
 """
