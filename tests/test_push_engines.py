@@ -65,9 +65,11 @@ def _run(client: openai.OpenAI, model: str, turns: list[list[dict[str, Any]]], n
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pull_turns(local_pair: LocalPair) -> Any:
-    """The conversation on the session's pull pair: the reference push must equal."""
+    """The conversation on the session's pull pair: the reference push must equal. Taken by
+    the first test below, while the pair runs; session-scoped, as the tests that stop the
+    pair run at the session's end, after pytest has left this module once."""
     turns = _conversation()
     client = openai.OpenAI(base_url=local_pair.gateway_url, api_key="-", max_retries=0)
     return turns, _run(client, local_pair.model, turns, "push-reference-" + uuid.uuid4().hex)
