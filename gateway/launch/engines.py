@@ -104,7 +104,8 @@ class EngineSpec:
 
     @property
     def control_url(self) -> str | None:
-        """Decode's kvturn control server, as the gateway reaches it."""
+        """The engine's kvturn control server (decode; prefill too in push mode), as the
+        gateway reaches it."""
         return self._http(self.control_port) if self.control_port else None
 
     def _http(self, port: int) -> str:
