@@ -245,13 +245,15 @@ def create_app(config: GatewayConfig) -> Starlette:
         return JSONResponse({"object": "list", "data": gateway.models})
 
     async def health(request: Request) -> Response:
-        ok = bool(gateway.prefill.healthy()) and bool(gateway.decode.healthy())
+        # Turns are served while either pool has an engine (the other side's engine serves
+        # a turn alone): ready (200) as long as that holds; ``ok`` says whether both do.
+        prefill, decode = bool(gateway.prefill.healthy()), bool(gateway.decode.healthy())
         body = {
-            "ok": ok,
+            "ok": prefill and decode,
             "prefill": {i.url: i.healthy for i in gateway.prefill.instances},
             "decode": {i.url: i.healthy for i in gateway.decode.instances},
         }
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return JSONResponse(body, status_code=200 if prefill or decode else 503)
 
     async def metrics(request: Request) -> Response:
         # Counted here, at scrape time (O(table)), never per turn.

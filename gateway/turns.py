@@ -244,7 +244,8 @@ class TurnRunner:
 
     async def _serve(self, turn: Turn, taken: Taken | None) -> Reply:
         """Plan; then the holder decode alone, or prefill then decode; once more from
-        scratch if decode fails before replying."""
+        scratch if decode fails before replying. Where one side has no engine left that
+        answers, the other side's engine serves the turn alone."""
         conversation = taken.conversation if taken is not None else None
         self._wake_decode(conversation)
         reuse = await self._plan(turn, conversation)
@@ -263,8 +264,15 @@ class TurnRunner:
                 reuse = self._decode_failed_reuse()
         if self.config.transfer == "push":
             return await self._serve_push(turn, taken, reuse.plan, failed)
-        for attempt in range(2):
-            prefilled = await self._prefill(turn, reuse)
+        for _ in range(2):
+            if not self.decode.healthy():
+                return await self._prefill_alone(turn, taken, "no-decode")
+            try:
+                prefilled = await self._prefill(turn, reuse)
+            except NoHealthyEngine:
+                return await self._decode_alone(turn, taken, "no-prefill", failed)
+            except UpstreamError:
+                return await self._decode_alone(turn, taken, "prefill-failed", failed)
             if isinstance(prefilled, Reply):
                 return prefilled
             try:
@@ -273,10 +281,10 @@ class TurnRunner:
                 # Decode died, or failed its pull from prefill, before replying: serve the turn
                 # again from scratch, on another decode if there is one.
                 failed = self._decode_failed(failure)
-                if attempt == 1:
-                    raise UpstreamError(f"decode failed twice ({failure})") from failure
                 reuse = self._decode_failed_reuse()
-        raise AssertionError("unreachable")
+            except NoHealthyEngine:
+                return await self._prefill_alone(turn, taken, "no-decode")
+        return await self._prefill_alone(turn, taken, "decode-failed-twice")
 
     def _decode_failed(self, failure: DecodeFailed) -> Instance | None:
         """Note a decode that failed before replying; the instance, to avoid on a retry."""
@@ -304,15 +312,13 @@ class TurnRunner:
         loaded, the conversation's holder on a tie. If prefill fails, decode's request is
         aborted and the turn is served by a decode alone; if decode fails before replying,
         the turn is pushed once more, to another decode if there is one."""
-        for attempt in range(2):
+        for _ in range(2):
             try:
                 return await self._push_turn(turn, taken, plan, avoid=failed)
             except DecodeFailed as failure:
                 failed = self._decode_failed(failure)
-                if attempt == 1:
-                    raise UpstreamError(f"decode failed twice ({failure})") from failure
                 plan = self._decode_failed_reuse().plan
-        raise AssertionError("unreachable")
+        return await self._prefill_alone(turn, taken, "decode-failed-twice")
 
     async def _push_turn(
         self, turn: Turn, taken: Taken | None, plan: TurnPlan, avoid: Instance | None
@@ -356,7 +362,10 @@ class TurnRunner:
                 prefer=conversation.holder_url if conversation else None, exclude=avoid
             )
         except NoHealthyEngine:
-            decode = self.decode.choose()
+            try:
+                decode = self.decode.choose()
+            except NoHealthyEngine:
+                return await self._prefill_alone(turn, taken, "no-decode")
         prefilling = asyncio.ensure_future(self._push_prefill(turn, prefill, request_id, pushed))
         decoding = asyncio.ensure_future(
             self._decode(turn, taken, pushed, target=decode, request_id=request_id)
@@ -462,15 +471,39 @@ class TurnRunner:
     async def _decode_alone(
         self, turn: Turn, taken: Taken | None, reason: str, avoid: Instance | None
     ) -> Reply:
-        """The turn on a decode engine by itself, which computes the whole prompt."""
+        """The turn on a decode engine by itself (no prefill could serve it), which computes
+        the whole prompt, or what its prefix cache lacks (the holder is preferred); its KV is
+        kept for the next turn as after a decode-local turn. No decode either: the 503."""
         plan = TurnPlan("recompute", reason)
         self.metrics.fallbacks_by[reason].inc()
         alone = PrefillResult(None, {}, 0, 0, plan)
         try:
             return await self._decode(turn, taken, alone, avoid=avoid)
         except DecodeFailed as failure:
-            failed = self._decode_failed(failure)
-            return await self._decode(turn, taken, alone, avoid=failed)
+            avoid = self._decode_failed(failure)
+        try:
+            return await self._decode(turn, taken, alone, avoid=avoid)
+        except DecodeFailed as failure:
+            self._decode_failed(failure)
+            raise UpstreamError(f"prefill and decode failed ({failure})") from None
+
+    async def _prefill_alone(self, turn: Turn, taken: Taken | None, reason: str) -> Reply:
+        """No decode can take the turn (none is healthy, or decode failed twice): a prefill
+        engine, a whole vLLM engine too, serves it alone, as one engine would. Prefill engines
+        hold no conversation's KV, so nothing is kept for the next turn (it recomputes, on a
+        decode again once one is back). No prefill either: the 503 stands."""
+        plan = TurnPlan("recompute", reason)
+        self.metrics.fallbacks_by[reason].inc()
+        logger.warning("no decode engine can serve the turn (%s); prefill serves it alone", reason)
+        instance = self.prefill.choose()
+        alone = PrefillResult(None, {}, 0, 0, plan)
+        try:
+            return await self._decode(turn, taken, alone, target=instance, keep=False)
+        except DecodeFailed as failure:
+            self.metrics.upstream_errors_by["prefill"].inc()
+            if failure.unreachable:
+                instance.healthy = False
+            raise UpstreamError(f"no decode engine, and prefill failed too ({failure})") from None
 
     def _wake_decode(self, conversation: Conversation | None) -> None:
         """An idle decode paces its empty steps (up to a quarter second apart while it holds
@@ -696,10 +729,12 @@ class TurnRunner:
         supersedes: str | None = None,
         avoid: Instance | None = None,
         request_id: str | None = None,
+        keep: bool = True,
     ) -> Reply:
         """Decode's reply: after prefill (on a decode other than ``avoid``, if there is one),
         or (``target``, a ``decode-local`` turn) on the holder alone, whose new lease then
-        ``supersedes`` the previous one."""
+        ``supersedes`` the previous one. ``keep=False``: the engine keeps no KV of the turn
+        (a prefill engine serving it alone)."""
         conversation = taken.conversation if taken is not None else None
         prefer = conversation.holder_url if conversation else None
         if target is not None:
@@ -716,7 +751,7 @@ class TurnRunner:
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
         # once: a turn without a conversation never comes back for it).
-        params[CONVERSATION_PARAM] = conversation.key if conversation else None
+        params[CONVERSATION_PARAM] = conversation.key if conversation and keep else None
         params[LEASE_PARAM] = self.config.lease_s
         if turn.pause is not None:
             params[PAUSE_PARAM] = list(turn.pause)
@@ -741,6 +776,8 @@ class TurnRunner:
             prefilled,
             salt_digest(turn.body.get("cache_salt")),
         )
+        if not keep:
+            after.holder = after.target_control_url = None
 
         if not turn.stream:
             instance.in_flight += 1
@@ -803,7 +840,7 @@ class TurnRunner:
             after.holder = None
             self._settle_later(after)
             return _passthrough(upstream.status, payload, response_headers)
-        relay = _Relay(self, upstream, prefilled, after, turn.started, sent)
+        relay = _Relay(self, upstream, instance, prefilled, after, turn.started, sent)
         return Reply(200, headers=response_headers, stream=relay)
 
     def _count(self, prefilled: PrefillResult, decode: Instance) -> None:
@@ -984,6 +1021,7 @@ class _Relay:
         self,
         runner: TurnRunner,
         upstream: StreamResponse,
+        instance: Instance,
         prefilled: PrefillResult,
         after: _After,
         started: float,
@@ -993,8 +1031,7 @@ class _Relay:
         self.upstream = upstream
         self.prefilled = prefilled
         self.after = after
-        assert after.holder is not None
-        self.instance = after.holder
+        self.instance = instance
         self.started = started
         self.sent = sent
         self.collector = ReplyCollector() if after.implicit is not None else None

@@ -414,10 +414,30 @@ def test_oversized_body_and_no_healthy_engine(local_pair: LocalPair) -> None:
     )
     with running_gateway(dead) as gateway:
         deadline = time.monotonic() + 30
-        while httpx.get(gateway.url + "/health").status_code != 503:
+        while httpx.get(gateway.url + "/health").json()["ok"]:
             assert time.monotonic() < deadline, "the dead prefill was never noticed"
             time.sleep(0.2)
-        body = {"model": local_pair.model, "messages": [{"role": "user", "content": "hi"}]}
+        # Still ready: the decode engine serves turns alone, as one engine would.
+        assert httpx.get(gateway.url + "/health").status_code == 200
+        messages = [{"role": "user", "content": "hi"}]
+        body = {"model": local_pair.model, "messages": messages, "max_tokens": 8,
+                "temperature": 0, "return_token_ids": True}  # fmt: skip
+        response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvturn-plan-reason"] == "no-prefill"
+        expected = single_engine_ids(local_pair.prefill_url, local_pair.model, messages, 8)
+        assert response.json()["choices"][0]["token_ids"] == expected
+    nothing = GatewayConfig(
+        prefill=endpoints([f"http://127.0.0.1:{free_port()}"]),
+        decode=endpoints([f"http://127.0.0.1:{free_port()}"]),
+        health_interval_s=0.2,
+    )
+    with running_gateway(nothing) as gateway:
+        deadline = time.monotonic() + 30
+        while httpx.get(gateway.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "the dead engines were never noticed"
+            time.sleep(0.2)
+        body = {"model": local_pair.model, "messages": messages}
         response = httpx.post(gateway.url + "/v1/chat/completions", json=body)
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "server_error"

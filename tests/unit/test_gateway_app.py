@@ -12,7 +12,7 @@ import pytest
 
 from kvturn import control
 from kvturn.gateway.config import GatewayConfig, endpoints
-from tests.gateway_fixtures import running_fake_engine, running_gateway
+from tests.gateway_fixtures import free_port, running_fake_engine, running_gateway
 
 
 @pytest.fixture(scope="module")
@@ -390,14 +390,58 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                         time.sleep(0.02)
                     _recorded(gateway, "failing-holder")
                     assert store.peek("failing-holder").holder_url == other
-                    # Every decode failing: an OpenAI-shaped 502, never an internal error.
+                    # Every decode failing: the prefill engine serves the turn alone.
                     fake_engine.FAIL_DECODE_PORTS.add(int(other.rsplit(":", 1)[1]))
                     body = {"model": "fake", "messages": [{"role": "user", "content": "x"}]}
+                    alone = httpx.post(gateway.url + "/v1/chat/completions", json=body)
+                    assert alone.status_code == 200, alone.text
+                    assert alone.json()["choices"][0]["message"]["content"] == "ok"
+                    assert alone.headers["x-kvturn-plan-reason"] == "decode-failed-twice"
+                    # Prefill failing as well: an OpenAI-shaped 502, never an internal error.
+                    fake_engine.FAIL_DECODE_PORTS.add(int(prefill.rsplit(":", 1)[1]))
                     failed = httpx.post(gateway.url + "/v1/chat/completions", json=body)
                     assert failed.status_code == 502, failed.text
-                    assert failed.json()["error"]["message"].startswith("decode failed twice")
+                    message = failed.json()["error"]["message"]
+                    assert message.startswith("no decode engine, and prefill failed too"), message
                 finally:
                     fake_engine.FAIL_DECODE_PORTS.clear()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dead", ["prefill", "decode"])
+def test_a_turn_is_answered_while_either_side_has_an_engine(dead: str, stream: bool) -> None:
+    """A pool with no engine that answers: the other pool's engine serves the turn alone (a
+    vLLM engine is whole either way), never a 5xx while an engine lives. A decode serving
+    alone keeps the conversation's KV as after any decode turn; a prefill keeps none."""
+    with running_fake_engine() as alive:
+        gone = f"http://127.0.0.1:{free_port()}"
+        prefill, decode = (gone, alive) if dead == "prefill" else (alive, gone)
+        config = GatewayConfig(
+            prefill=endpoints([prefill]),
+            decode=endpoints([decode], [decode]),
+            health_interval_s=600,  # the turns themselves find the dead engine
+        )
+        with running_gateway(config) as gateway:
+            name = f"alone-{dead}-{stream}"
+            for _ in range(2):
+                answer = _chat(gateway.url, stream, **{"X-Conversation-Id": name})
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-kvturn-plan"] == "recompute"
+                expected = "no-prefill" if dead == "prefill" else "no-decode"
+                assert answer.headers["x-kvturn-plan-reason"] == expected
+                if stream:
+                    assert answer.text.endswith("data: [DONE]\n\n")
+                else:
+                    assert answer.json()["choices"][0]["message"]["content"] == "ok"
+            if dead == "prefill":  # the decode holds the conversation's KV
+                _recorded(gateway, name)
+                assert gateway.app.state.gateway.store.peek(name).holder_url == decode
+            metrics = httpx.get(gateway.url + "/metrics").text
+            assert f'kvturn_reuse_fallbacks_total{{reason="{expected}"}} 2.0' in metrics
+            # Ready all the same (a load balancer keeps sending turns), though not all well.
+            health = httpx.get(gateway.url + "/health")
+            assert health.status_code == 200 and health.json()["ok"] is False
+            assert health.json()[dead] == {gone: False}
 
 
 @pytest.mark.parametrize("stream", [False, True])
