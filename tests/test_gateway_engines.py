@@ -35,6 +35,7 @@ from tests.engine_requests import (
     KV_BYTES_PER_TOKEN,
     NixlReads,
     long_prompt,
+    metric_total,
     single_engine_completion_ids,
     single_engine_ids,
 )
@@ -427,6 +428,36 @@ def test_oversized_body_and_no_healthy_engine(local_pair: LocalPair) -> None:
         assert response.headers["x-kvturn-plan-reason"] == "no-prefill"
         expected = single_engine_ids(local_pair.prefill_url, local_pair.model, messages, 8)
         assert response.json()["choices"][0]["token_ids"] == expected
+    no_decode = GatewayConfig(
+        prefill=endpoints([local_pair.prefill_url]),
+        decode=endpoints([f"http://127.0.0.1:{free_port()}"], [f"http://127.0.0.1:{free_port()}"]),
+        control_secret=local_pair.control_secret,
+        health_interval_s=0.2,
+    )
+    with running_gateway(no_decode) as gateway:
+        # The prefill engine serves the turn alone, and keeps none of its KV (a prefill holds
+        # no conversation's), though the turn names a conversation.
+        def usage() -> float:
+            text = httpx.get(local_pair.prefill_url + "/metrics", timeout=30).text
+            return metric_total(text, "vllm:kv_cache_usage_perc")
+
+        baseline = usage()
+        long = [{"role": "user", "content": long_prompt(1500, "alone " + uuid.uuid4().hex)}]
+        headers = {"X-Conversation-Id": "no-decode-" + uuid.uuid4().hex}
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={**body, "messages": long},
+            headers=headers,
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvturn-plan-reason"] == "no-decode"
+        alone = single_engine_ids(local_pair.prefill_url, local_pair.model, long, 8)
+        assert response.json()["choices"][0]["token_ids"] == alone
+        deadline = time.monotonic() + 30
+        while usage() > baseline:
+            assert time.monotonic() < deadline, f"prefill kept the turn's KV ({usage()})"
+            time.sleep(0.2)
     nothing = GatewayConfig(
         prefill=endpoints([f"http://127.0.0.1:{free_port()}"]),
         decode=endpoints([f"http://127.0.0.1:{free_port()}"]),
