@@ -25,6 +25,7 @@ import pytest
 from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.launch.engines import (
     Deployment,
+    EngineProcess,
     KVSettings,
     plan_specs,
     start_engines,
@@ -170,6 +171,38 @@ def _kv_usage(url: str) -> float:
     return metric_total(httpx.get(url + "/metrics", timeout=30).text, "vllm:kv_cache_usage_perc")
 
 
+def _turn_killing_once_registered(
+    gateway_url: str, model: str, name: str, decode_url: str, victim: EngineProcess
+) -> tuple[TurnResult, list[dict[str, Any]]]:
+    """A streamed 16k-token turn (long enough that prefill is still computing, seconds on the
+    tiny model) through the gateway; ``victim`` is killed as soon as decode has registered
+    its blocks (decode's KV usage rises as it schedules the request). The turn's result, and
+    its messages; it must end, without an error, within 240 s."""
+    client = openai.OpenAI(base_url=gateway_url + "/v1", api_key="-", max_retries=0, timeout=240)
+    baseline = _kv_usage(decode_url)
+    messages = [{"role": "user", "content": long_prompt(16000, name)}]
+    outcome: dict[str, Any] = {}
+
+    def turn() -> None:
+        try:
+            outcome["got"] = run_turn(client, model, messages, name, stream=True)
+        except openai.APIError as error:
+            outcome["error"] = error
+
+    worker = threading.Thread(target=turn)
+    worker.start()
+    started = time.monotonic()
+    while _kv_usage(decode_url) <= baseline:
+        assert time.monotonic() - started < 60, "decode never allocated the turn's blocks"
+        time.sleep(0.05)
+    assert victim.pid is not None
+    os.killpg(victim.pid, signal.SIGKILL)
+    worker.join(timeout=240)
+    assert not worker.is_alive(), f"the turn hung after {victim.spec.name} died"
+    assert "error" not in outcome, outcome["error"]
+    return outcome["got"], messages
+
+
 @pytest.mark.stops_engines
 def test_prefill_killed_between_registration_and_write(
     local_pair: LocalPair, push_engines: Deployment
@@ -177,30 +210,11 @@ def test_prefill_killed_between_registration_and_write(
     victim = push_engines.prefill[1]
     decode_url = push_engines.decode[0].spec.url
     with running_gateway(_config(push_engines, 1)) as gateway:
-        client = openai.OpenAI(
-            base_url=gateway.url + "/v1", api_key="-", max_retries=0, timeout=240
-        )
         baseline = _kv_usage(decode_url)
-        # Long enough that prefill is still computing when it dies (tiny model: seconds).
-        messages = [{"role": "user", "content": long_prompt(16000, "killed " + uuid.uuid4().hex)}]
         name = "push-killed-" + uuid.uuid4().hex
-        started = time.monotonic()
-        result: dict[str, Any] = {}
-
-        def turn() -> None:
-            result["got"] = run_turn(client, local_pair.model, messages, name, stream=True)
-
-        worker = threading.Thread(target=turn)
-        worker.start()
-        # Decode registers its blocks as soon as it schedules the request: its KV usage rises.
-        while _kv_usage(decode_url) <= baseline:
-            assert time.monotonic() - started < 60, "decode never allocated the turn's blocks"
-            time.sleep(0.05)
-        assert victim.pid is not None
-        os.killpg(victim.pid, signal.SIGKILL)
-        worker.join(timeout=240)
-        assert not worker.is_alive(), "the turn hung after its prefill died"
-        got: TurnResult = result["got"]
+        got, messages = _turn_killing_once_registered(
+            gateway.url, local_pair.model, name, decode_url, victim
+        )
         # Served by the decode alone, with the answer one engine gives.
         assert (got.plan, got.reason) == ("recompute", "prefill-failed")
         assert got.token_ids == single_engine_ids(decode_url, local_pair.model, messages, 16)
@@ -225,30 +239,10 @@ def test_decode_killed_after_registering(local_pair: LocalPair, push_engines: De
     prefill_url = push_engines.prefill[0].spec.url
     victim = push_engines.decode[0]
     with running_gateway(_config(push_engines, 0)) as gateway:
-        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
-        baseline = _kv_usage(victim.spec.url)
-        messages = [{"role": "user", "content": long_prompt(16000, "orphan " + uuid.uuid4().hex)}]
-        outcome: dict[str, Any] = {}
-
-        def turn() -> None:
-            try:
-                name = "orphan-" + uuid.uuid4().hex
-                outcome["got"] = run_turn(client, local_pair.model, messages, name)
-            except openai.APIError as error:
-                outcome["error"] = error
-
-        worker = threading.Thread(target=turn)
-        worker.start()
-        started = time.monotonic()
-        while _kv_usage(victim.spec.url) <= baseline:
-            assert time.monotonic() - started < 60, "decode never allocated the turn's blocks"
-            time.sleep(0.05)
-        assert victim.pid is not None
-        os.killpg(victim.pid, signal.SIGKILL)
-        worker.join(timeout=240)
-        assert not worker.is_alive(), "the turn hung after its decode died"
-        assert "error" not in outcome, outcome["error"]
-        got: TurnResult = outcome["got"]
+        name = "orphan-" + uuid.uuid4().hex
+        got, messages = _turn_killing_once_registered(
+            gateway.url, local_pair.model, name, victim.spec.url, victim
+        )
         assert (got.plan, got.reason) == ("recompute", "no-decode")
         assert got.token_ids == single_engine_ids(prefill_url, local_pair.model, messages, 16)
         # Prefill computed the prompt (its KV waits for a write that cannot land), then frees it.

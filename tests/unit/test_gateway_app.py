@@ -316,6 +316,16 @@ def _turn(url: str, conversation: str, stream: bool = False) -> httpx.Response:
     return response
 
 
+def _counted(name: str, before: int, failure: str) -> None:
+    """Wait (up to 5 s) for the fake engines' counter ``name`` to move past ``before``."""
+    from tests import fake_engine
+
+    deadline = time.monotonic() + 5
+    while fake_engine.COUNTS.get(name, 0) == before:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.02)
+
+
 def _recorded(gateway: Any, conversation: str) -> None:
     deadline = time.monotonic() + 5
     store = gateway.app.state.gateway.store
@@ -384,10 +394,7 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                     # on the other decode, and the lease it would have superseded is freed.
                     assert second.headers["x-kvturn-plan"] == "recompute"
                     assert second.headers["x-kvturn-plan-reason"] == "decode-failed"
-                    deadline = time.monotonic() + 5
-                    while fake_engine.COUNTS.get("releases", 0) == releases:
-                        assert time.monotonic() < deadline, "the old lease was not released"
-                        time.sleep(0.02)
+                    _counted("releases", releases, "the old lease was not released")
                     _recorded(gateway, "failing-holder")
                     assert store.peek("failing-holder").holder_url == other
                     # Every decode failing: the prefill engine serves the turn alone.
@@ -482,10 +489,7 @@ def test_push_turns_pair_prefill_and_decode_and_survive_a_failed_prefill(stream:
                 assert time.monotonic() - started < 5
                 assert failed.headers["x-kvturn-plan"] == "recompute"
                 assert failed.headers["x-kvturn-plan-reason"] == "prefill-failed"
-                deadline = time.monotonic() + 5
-                while fake_engine.COUNTS.get("push_abandoned", 0) == abandoned:
-                    assert time.monotonic() < deadline, "decode's push request was not aborted"
-                    time.sleep(0.02)
+                _counted("push_abandoned", abandoned, "decode's push request was not aborted")
             finally:
                 fake_engine.FAIL_PREFILL_PORTS.clear()
 
@@ -517,10 +521,7 @@ def test_a_push_whose_write_never_arrives_is_served_by_decode_alone(stream: bool
                 assert 0.5 <= time.monotonic() - started < 5
                 assert lost.headers["x-kvturn-plan-reason"] == "push-lost"
                 assert '"ok"' in lost.text or '"k"' in lost.text  # the fake decode's reply
-                deadline = time.monotonic() + 5
-                while fake_engine.COUNTS.get("push_abandoned", 0) == abandoned:
-                    assert time.monotonic() < deadline, "decode's push request was not aborted"
-                    time.sleep(0.02)
+                _counted("push_abandoned", abandoned, "decode's push request was not aborted")
             finally:
                 fake_engine.LOSE_WRITE_PORTS.clear()
             # A push that arrives is not waited on.
