@@ -121,6 +121,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
             transfer=args.transfer,
             decoder_kv_blocks_ttl_s=args.kv_ttl,
             kv_recompute_threshold=args.recompute_threshold,
+            push_registration_timeout_s=args.push_registration_timeout,
         ),
         dtype=args.dtype or ("float32" if ours else "auto"),
         # A model id resolved on the engine's own host: vLLM's default length (the model's).
@@ -459,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--transfer", choices=("pull", "push"), default="pull",
         help="the deployment's KV transfer (every engine and the gateway must agree)",
+    )  # fmt: skip
+    eng.add_argument(
+        "--push-registration-timeout", type=int, default=60,
+        help="push, decode: seconds it keeps blocks registered for a push that never came",
     )  # fmt: skip
     eng.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="KV cache device")
     eng.add_argument("--cpu", type=int, default=None, help="pin the engine to this core")

@@ -293,6 +293,15 @@ def test_kvturn_engine_runs_an_engine_on_its_hosts_address(
     assert "kvturn_control_port" not in config["kv_connector_extra_config"]
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and "--no-enable-prefix-caching" in command
 
+    # Push mode: a prefill has a control server too (its NIXL identity, for the gateway).
+    argv = ["engine", "--role", "prefill", "--model", str(tmp_path), "--host", "10.0.0.1",
+            "--transfer", "push", "--push-registration-timeout", "15"]  # fmt: skip
+    push = engine_spec(build_parser().parse_args(argv))
+    config = json.loads(push.command()[push.command().index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "KvturnPushConnector"
+    assert config["kv_connector_extra_config"]["push_registration_timeout"] == 15
+    assert push.control_url == "http://10.0.0.1:8300"
+
     # Listening everywhere without saying where peers reach it is refused, by name.
     with pytest.raises(SystemExit, match="advertise_host"):
         main(["engine", "--role", "decode", "--model", str(tmp_path), "--host", "0.0.0.0"])
