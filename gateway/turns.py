@@ -769,15 +769,13 @@ class TurnRunner:
         upstream_headers = {"X-Request-Id": request_id}
         after = _After(
             taken,
-            instance,
+            instance if keep else None,
             request_id,
             supersedes,
             turn.implicit,
             prefilled,
             salt_digest(turn.body.get("cache_salt")),
         )
-        if not keep:
-            after.holder = after.target_control_url = None
 
         if not turn.stream:
             instance.in_flight += 1

@@ -15,6 +15,7 @@ __all__ = [
     "PREFILL_PARAMS",
     "NixlReads",
     "chat",
+    "kv_usage",
     "long_prompt",
     "metric_total",
     "single_engine_completion_ids",
@@ -103,3 +104,9 @@ def metric_total(metrics_text: str, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def kv_usage(engine_url: str) -> float:
+    """A vLLM engine's KV cache usage (its ``vllm:kv_cache_usage_perc`` gauge, 0 to 1)."""
+    text = httpx.get(engine_url + "/metrics", timeout=30).text
+    return metric_total(text, "vllm:kv_cache_usage_perc")

@@ -34,8 +34,8 @@ from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import (
     KV_BYTES_PER_TOKEN,
     NixlReads,
+    kv_usage,
     long_prompt,
-    metric_total,
     single_engine_completion_ids,
     single_engine_ids,
 )
@@ -437,11 +437,7 @@ def test_oversized_body_and_no_healthy_engine(local_pair: LocalPair) -> None:
     with running_gateway(no_decode) as gateway:
         # The prefill engine serves the turn alone, and keeps none of its KV (a prefill holds
         # no conversation's), though the turn names a conversation.
-        def usage() -> float:
-            text = httpx.get(local_pair.prefill_url + "/metrics", timeout=30).text
-            return metric_total(text, "vllm:kv_cache_usage_perc")
-
-        baseline = usage()
+        baseline = kv_usage(local_pair.prefill_url)
         long = [{"role": "user", "content": long_prompt(1500, "alone " + uuid.uuid4().hex)}]
         headers = {"X-Conversation-Id": "no-decode-" + uuid.uuid4().hex}
         response = httpx.post(
@@ -455,8 +451,10 @@ def test_oversized_body_and_no_healthy_engine(local_pair: LocalPair) -> None:
         alone = single_engine_ids(local_pair.prefill_url, local_pair.model, long, 8)
         assert response.json()["choices"][0]["token_ids"] == alone
         deadline = time.monotonic() + 30
-        while usage() > baseline:
-            assert time.monotonic() < deadline, f"prefill kept the turn's KV ({usage()})"
+        while kv_usage(local_pair.prefill_url) > baseline:
+            assert time.monotonic() < deadline, (
+                f"prefill kept the turn's KV ({kv_usage(local_pair.prefill_url)})"
+            )
             time.sleep(0.2)
     nothing = GatewayConfig(
         prefill=endpoints([f"http://127.0.0.1:{free_port()}"]),

@@ -31,7 +31,7 @@ from kvturn.gateway.launch.engines import (
     start_engines,
 )
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
-from tests.engine_requests import long_prompt, metric_total, single_engine_ids
+from tests.engine_requests import kv_usage, long_prompt, single_engine_ids
 from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway
 from tests.test_engine_pools import _stop_session_pair
 
@@ -167,10 +167,6 @@ def test_push_turns_equal_pull_and_one_engine_and_reuse_on_the_holder(
             assert getattr(choice, "token_ids", None) == alone["choices"][0]["token_ids"]
 
 
-def _kv_usage(url: str) -> float:
-    return metric_total(httpx.get(url + "/metrics", timeout=30).text, "vllm:kv_cache_usage_perc")
-
-
 def _turn_killing_once_registered(
     gateway_url: str, model: str, name: str, decode_url: str, victim: EngineProcess
 ) -> tuple[TurnResult, list[dict[str, Any]]]:
@@ -179,7 +175,7 @@ def _turn_killing_once_registered(
     its blocks (decode's KV usage rises as it schedules the request). The turn's result, and
     its messages; it must end, without an error, within 240 s."""
     client = openai.OpenAI(base_url=gateway_url + "/v1", api_key="-", max_retries=0, timeout=240)
-    baseline = _kv_usage(decode_url)
+    baseline = kv_usage(decode_url)
     messages = [{"role": "user", "content": long_prompt(16000, name)}]
     outcome: dict[str, Any] = {}
 
@@ -192,7 +188,7 @@ def _turn_killing_once_registered(
     worker = threading.Thread(target=turn)
     worker.start()
     started = time.monotonic()
-    while _kv_usage(decode_url) <= baseline:
+    while kv_usage(decode_url) <= baseline:
         assert time.monotonic() - started < 60, "decode never allocated the turn's blocks"
         time.sleep(0.05)
     assert victim.pid is not None
@@ -210,7 +206,7 @@ def test_prefill_killed_between_registration_and_write(
     victim = push_engines.prefill[1]
     decode_url = push_engines.decode[0].spec.url
     with running_gateway(_config(push_engines, 1)) as gateway:
-        baseline = _kv_usage(decode_url)
+        baseline = kv_usage(decode_url)
         name = "push-killed-" + uuid.uuid4().hex
         got, messages = _turn_killing_once_registered(
             gateway.url, local_pair.model, name, decode_url, victim
@@ -222,9 +218,9 @@ def test_prefill_killed_between_registration_and_write(
         # the registration times out: decode's KV usage returns to where it was.
         httpx.delete(f"{gateway.url}/v1/kvturn/conversations/{name}", timeout=30)
         deadline = time.monotonic() + REGISTRATION_TIMEOUT_S + 30
-        while _kv_usage(decode_url) > baseline:
+        while kv_usage(decode_url) > baseline:
             assert time.monotonic() < deadline, (
-                f"decode's KV usage stayed at {_kv_usage(decode_url)} (baseline {baseline})"
+                f"decode's KV usage stayed at {kv_usage(decode_url)} (baseline {baseline})"
             )
             time.sleep(0.5)
 
@@ -247,6 +243,6 @@ def test_decode_killed_after_registering(local_pair: LocalPair, push_engines: De
         assert got.token_ids == single_engine_ids(prefill_url, local_pair.model, messages, 16)
         # Prefill computed the prompt (its KV waits for a write that cannot land), then frees it.
         deadline = time.monotonic() + 90
-        while _kv_usage(prefill_url) > 0:
-            assert time.monotonic() < deadline, f"prefill still holds {_kv_usage(prefill_url)}"
+        while kv_usage(prefill_url) > 0:
+            assert time.monotonic() < deadline, f"prefill still holds {kv_usage(prefill_url)}"
             time.sleep(1)
