@@ -206,6 +206,8 @@ def main() -> int:
             print(context, suffix, medians, equal, flush=True)
         count_sum = _metric(counted, "kvturn_prompt_count_seconds_sum")
         count_n = _metric(counted, "kvturn_prompt_count_seconds_count")
+        uncounted = _metric(counted, "kvturn_uncounted_turns_total")
+        local_n = _metric(counted, 'kvturn_turns_total{plan="decode-local"}')
         tpot = [
             ("no other turns", *tpot_under(local, model, None, "idle")),
             ("decode-local turns (4k context + 250)", *tpot_under(local, model, local, "local")),
@@ -234,10 +236,16 @@ def main() -> int:
             for c, x, t, e in rows
         ),
         "",
-        "Counting a reuse turn's prompt tokens (`/tokenize` on an idle prefill engine, else the "
-        f"holder, while planning): "
-        f"{count_sum / max(count_n, 1) * 1000:.1f} ms a turn on average over {count_n:.0f} "
-        "turns (all cases).",
+        f"Decode-local turns planned from a bound on their new tokens (they extend the held "
+        f"turn: `kvturn.gateway.extension`), their prompt counted only after the reply: "
+        f"{uncounted:.0f} of {local_n:.0f}. "
+        + (
+            "Counting a prompt's tokens while planning (`/tokenize` on an idle prefill "
+            f"engine, else the holder): {count_sum / count_n * 1000:.1f} ms a turn on average "
+            f"over the {count_n:.0f} turns that were (all cases)."
+            if count_n
+            else "No turn was counted while planning."
+        ),
         "",
         "Time per output token of a 400-token stream on the decode while other conversations' "
         "turns 2 run back to back:",

@@ -22,6 +22,8 @@ sent with the turn):
 ``POST /kvturn/wake``
     A turn is on its way to this engine: stop pacing idle steps (see
     :class:`~kvturn.connector.engine_pacing.IdlePacer`). Every POST and DELETE also does this.
+    Body ``{"within_ms": n}`` (optional): the request itself arrives within ``n`` ms (at most
+    1000); step often until it does.
 ``GET /kvturn/identity``
     The engine's NIXL identity: ``engine_id``, ``side_channel_host``, ``side_channel_port``,
     ``tp_size``, ``pp_size``, ``transfer_mode`` (``pull``/``push``). A push-mode gateway names
@@ -76,6 +78,7 @@ class ControlServer:
         secret: str | None = None,
         on_call: Callable[[], None] | None = None,
         identity: dict[str, Any] | None = None,
+        on_expect: Callable[[float], None] | None = None,
     ):
         self.leases = leases
         #: Push mode, decode: a :class:`~kvturn.connector.push.PushArrivals`.
@@ -86,6 +89,7 @@ class ControlServer:
             on_call,
             dict(identity or {}),
             lambda: self.pushes,
+            on_expect,
         )
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
@@ -113,6 +117,7 @@ def _make_handler(
     on_call: Callable[[], None] | None,
     identity: dict[str, Any],
     pushes: Callable[[], Any],
+    on_expect: Callable[[float], None] | None,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -148,6 +153,9 @@ def _make_handler(
             if on_call is not None:
                 on_call()
             if parts == ["kvturn", "wake"]:
+                within_ms = body.get("within_ms")
+                if on_expect is not None and isinstance(within_ms, (int, float)):
+                    on_expect(float(within_ms) / 1000)
                 self._send(200, {"ok": True})
             elif len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "claim":
                 self._answer(parts[2], leases.claim(parts[2]))

@@ -53,6 +53,13 @@ class IdlePacer:
     its worker: a couple of milliseconds of CPU). :meth:`wake` ends a wait early and restarts
     the short phase: the gateway calls it (through the control server) when a turn is on its
     way to this engine, and every lease call does.
+
+    :meth:`expect` says more: a request will reach the engine within ``within_s`` (a
+    ``decode-local`` turn, sent the moment it is planned). A wake alone would end the current
+    wait only for the engine to begin another ``short_s`` one, which the request, a few
+    milliseconds behind (the API server renders and tokenizes it first), then sits out. So
+    until the request arrives (the engine gets busy) or ``within_s`` passes, empty steps are
+    ``soon_s`` apart.
     """
 
     def __init__(
@@ -61,12 +68,15 @@ class IdlePacer:
         long_s: float = 0.25,
         short_phase_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        soon_s: float = 0.001,
     ):
         self.short_s = short_s
         self.long_s = long_s
         self.short_phase_s = short_phase_s
+        self.soon_s = soon_s
         self._clock = clock
         self._idle_since: float | None = None
+        self._expected_until = 0.0
         self._woken = threading.Event()
 
     def next_wait(self, busy: bool, expecting: bool = False) -> float:
@@ -74,8 +84,11 @@ class IdlePacer:
         work that no request brings, such as KV a prefill pushes, which only a step sees)."""
         if busy:
             self._idle_since = None
+            self._expected_until = 0.0
             return 0.0
         now = self._clock()
+        if now < self._expected_until:
+            return self.soon_s
         if self._idle_since is None:
             self._idle_since = now
         if expecting or now - self._idle_since < self.short_phase_s:
@@ -91,3 +104,8 @@ class IdlePacer:
     def wake(self) -> None:
         self._idle_since = None
         self._woken.set()
+
+    def expect(self, within_s: float) -> None:
+        """A request reaches the engine within ``within_s``: step often until it does."""
+        self._expected_until = self._clock() + max(0.0, min(within_s, 1.0))
+        self.wake()

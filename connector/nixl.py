@@ -173,6 +173,7 @@ class KvturnConnectorBase(NixlBaseConnector):
                 secret,
                 on_call=self._pacer.wake if self._pacer else None,
                 identity=self._identity(vllm_config),
+                on_expect=self._pacer.expect if self._pacer else None,
             ).start()
 
     def _identity(self, vllm_config: VllmConfig) -> dict[str, Any]:

@@ -68,6 +68,9 @@ class Conversation:
     #: A digest of the ``cache_salt`` the held KV was computed under (vLLM shares no KV
     #: between differently salted requests; neither does kvturn).
     held_salt: bytes | None = None
+    #: What the held turn's request is recognised by (:func:`~.extension.prompt_mark`): a
+    #: next request that extends it is planned without counting its tokens.
+    held_prompt_mark: str | None = None
     #: When the holder's lease on the blocks lapses unless a turn or heartbeat renews it
     #: (the table's clock; the holder's connector is the truth, this is its last answer).
     lease_expires_at: float = 0.0
@@ -113,6 +116,7 @@ class Held:
     held_digest: str | None = None
     held_digest_tokens: int = 0
     held_salt: bytes | None = None
+    held_prompt_mark: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +233,7 @@ class ConversationStore:
             held.held_digest,
             held.held_digest_tokens,
             held.held_salt,
+            held.held_prompt_mark,
         )
         conversation.recorded_turn = turn
         return Recorded(True, replaced)
@@ -319,6 +324,7 @@ class ConversationStore:
         held_digest: str | None = None,
         held_digest_tokens: int = 0,
         held_salt: bytes | None = None,
+        held_prompt_mark: str | None = None,
     ) -> None:
         """The holder decode now leases ``held_tokens`` of this conversation's KV."""
         now = self.clock()
@@ -328,6 +334,7 @@ class ConversationStore:
         conversation.held_digest = held_digest
         conversation.held_digest_tokens = held_digest_tokens if held_digest else 0
         conversation.held_salt = held_salt
+        conversation.held_prompt_mark = held_prompt_mark
         conversation.lease_expires_at = now + lease_expires_in_s
         conversation.last_seen = now
 
@@ -346,6 +353,7 @@ class ConversationStore:
         conversation.held_digest = None
         conversation.held_digest_tokens = 0
         conversation.held_salt = None
+        conversation.held_prompt_mark = None
         conversation.lease_expires_at = 0.0
 
     def renew(self, conversation: Conversation, expires_in_s: float | None) -> float:
@@ -366,7 +374,7 @@ class ConversationStore:
 # ---- Redis ------------------------------------------------------------------------------------
 
 #: Hash fields of a conversation's retained KV (what :meth:`take` clears).
-_HELD_FIELDS = ("holder", "rid", "held", "digest", "dtok", "salt", "expires")
+_HELD_FIELDS = ("holder", "rid", "held", "digest", "dtok", "salt", "mark", "expires")
 
 # KEYS: entry, live-lease index, entry index. ARGV: conversation id, turn id ('' none), now,
 # ttl ms, epoch, settle window s ('': take whatever is under way). Returns the entry as it
@@ -392,7 +400,8 @@ end
 redis.call('HSET', h, 'turn_id', ARGV[2], 'seen', ARGV[3])
 local turn = redis.call('HINCRBY', h, 'turns', 1)
 local entry = redis.call('HGETALL', h)
-redis.call('HDEL', h, 'holder', 'rid', 'held', 'digest', 'dtok', 'salt', 'expires')
+redis.call('HDEL', h, 'holder', 'rid', 'held', 'digest', 'dtok', 'salt', 'mark',
+             'expires')
 redis.call('PEXPIRE', h, ARGV[4])
 redis.call('ZREM', KEYS[2], h)
 redis.call('ZADD', KEYS[3], ARGV[3], h)
@@ -412,7 +421,7 @@ return 0
 """
 
 # KEYS: entry, live-lease index. ARGV: epoch, turn, ttl ms, now, then (when something is held)
-# holder, request id, tokens, digest, digest tokens, salt, expires at.
+# holder, request id, tokens, digest, digest tokens, salt, expires at, prompt mark.
 # Returns {kept (0/1), replaced holder, replaced request id}.
 _RECORD = """
 local h = KEYS[1]
@@ -429,7 +438,7 @@ if #ARGV == 4 then return {1} end
 if tonumber(cur[2]) > turn then return {0} end
 redis.call('HSET', h, 'recorded', turn, 'holder', ARGV[5], 'rid', ARGV[6], 'held', ARGV[7],
            'digest', ARGV[8], 'dtok', ARGV[9], 'salt', ARGV[10], 'expires', ARGV[11],
-           'seen', ARGV[4])
+           'mark', ARGV[12], 'seen', ARGV[4])
 redis.call('PEXPIRE', h, ARGV[3])
 redis.call('ZADD', KEYS[2], ARGV[11], h)
 if cur[3] and cur[4] and cur[4] ~= ARGV[6] then return {1, cur[3], cur[4]} end
@@ -452,7 +461,8 @@ _RENEWED = """
 local h = KEYS[1]
 if redis.call('HGET', h, 'rid') ~= ARGV[1] then return 0 end
 if ARGV[2] == '' then
-  redis.call('HDEL', h, 'holder', 'rid', 'held', 'digest', 'dtok', 'salt', 'expires')
+  redis.call('HDEL', h, 'holder', 'rid', 'held', 'digest', 'dtok', 'salt', 'mark',
+             'expires')
   redis.call('ZREM', KEYS[2], h)
   return 0
 end
@@ -586,6 +596,7 @@ class RedisConversations:
                 held.held_digest_tokens if held.held_digest else 0,
                 held.held_salt.hex() if held.held_salt is not None else "",
                 now + held.lease_expires_in_s,
+                held.held_prompt_mark or "",
             ]
         raw = await self._call("record", self._record, (self._key(key), self._live), args)
         kept = bool(int(raw[0]))
@@ -667,6 +678,7 @@ def _conversation(key: str, fields: dict[str, str]) -> Conversation:
         held_digest=digest,
         held_digest_tokens=int(fields.get("dtok") or 0) if digest else 0,
         held_salt=bytes.fromhex(salt) if salt else None,
+        held_prompt_mark=fields.get("mark") or None,
         lease_expires_at=float(fields.get("expires") or 0.0) if holder else 0.0,
         turns=int(fields.get("turns") or 0),
         recorded_turn=int(fields.get("recorded") or 0),

@@ -84,9 +84,12 @@ class LeaseClient:
                 attempt.retry_state.set_result(answer)
         return answer is not None and answer[0] == 200 and bool(answer[1].get("released"))
 
-    async def wake(self, control_url: str) -> None:
-        """Tell an idle decode a turn is on its way (it stops pacing its idle steps)."""
-        await self._call("POST", f"{control_url}/kvturn/wake")
+    async def wake(self, control_url: str, within_ms: float | None = None) -> None:
+        """Tell an idle decode a turn is on its way (it stops pacing its idle steps); and,
+        with ``within_ms``, that the request itself arrives that soon (it steps often until
+        then)."""
+        body = None if within_ms is None else {"within_ms": within_ms}
+        await self._call("POST", f"{control_url}/kvturn/wake", body)
 
     async def identity(self, control_url: str) -> dict[str, Any] | None:
         """An engine's NIXL identity (engine id, side channel, parallel sizes), or ``None``."""

@@ -51,6 +51,18 @@ class GatewayMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=r,
         )  # fmt: skip
+        self.uncounted_turns = Counter(
+            "kvturn_uncounted_turns",
+            "decode-local turns planned from a bound on their new tokens (the request extends "
+            "the held one), their prompt counted after the reply",
+            registry=r,
+        )
+        self.bound_violations = Counter(
+            "kvturn_bound_violations",
+            "Uncounted turns whose holder computed more than their bound said (the gateway "
+            "then counts every turn's tokens while planning)",
+            registry=r,
+        )
         self.fallbacks = Counter(
             "kvturn_reuse_fallbacks",
             "Turns that could not reuse, by reason",

@@ -3,9 +3,11 @@
 vLLM's ``/tokenize`` renders chat messages with the same template, tools and options a chat
 completion would, so the ids are the ones the engine will see. The planner needs them only for
 a conversation whose KV a decode holds (to know the suffix, and whether the prompt still starts
-with what the holder retains); it asks an idle prefill engine's API server, else the holder's
-(every engine of a deployment serves the same model and template; the API server tokenizes
-outside the engine loop). Cost, measured in ``benchmarks/results/turn_ttft.md``.
+with what the holder retains), and only while planning a turn that does not provably extend
+the held one (those are planned from a bound and counted after their reply: see
+:mod:`.extension`); it asks an idle prefill engine's API server, else the holder's (every
+engine of a deployment serves the same model and template; the API server tokenizes outside
+the engine loop). Cost, measured in ``benchmarks/results/turn_ttft.md``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ logger = logging.getLogger("kvturn.gateway")
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 #: Chat request fields that change how the prompt is rendered.
-_CHAT_RENDER_FIELDS = (
+CHAT_RENDER_FIELDS = (
     "model",
     "tools",
     "add_generation_prompt",
@@ -38,7 +40,7 @@ async def prompt_token_ids(
 ) -> list[int] | None:
     """The prompt's token ids as ``engine_url`` tokenizes them; ``None`` if it cannot say."""
     if path == CHAT_PATH:
-        request = {k: body[k] for k in _CHAT_RENDER_FIELDS if k in body}
+        request = {k: body[k] for k in CHAT_RENDER_FIELDS if k in body}
         request["messages"] = body.get("messages")
     elif path == COMPLETIONS_PATH:
         prompt = body.get("prompt")

@@ -33,6 +33,7 @@ from kvturn.gateway.conversations import (
     salt_digest,
 )
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
+from kvturn.gateway.extension import BOUNDARY_TOKENS, new_tokens_bound, prompt_mark
 from kvturn.gateway.implicit import (
     ImplicitIndex,
     Index,
@@ -78,6 +79,9 @@ logger = logging.getLogger("kvturn.gateway")
 
 #: ``kv_transfer_params`` keys decode's kvturn connector reads (see ``kvturn.connector.nixl``).
 CONVERSATION_PARAM = "kvturn_conversation"
+#: A decode-local turn's request reaches the holder's engine core within this long of being
+#: sent (its API server renders and tokenizes it first): the engine steps often meanwhile.
+LOCAL_ARRIVAL_MS = 50
 LEASE_PARAM = "kvturn_lease_s"
 PAUSE_PARAM = "kvturn_pause"
 #: Why the holder had no lease to claim → the turn's fallback reason.
@@ -112,10 +116,25 @@ class Turn:
     implicit: bytes | None = None
     #: The conversation table could not be reached: the turn recomputes, keeping nothing.
     state_unavailable: bool = False
+    #: A chat turn's chained message digests (see :meth:`message_digests`).
+    digests: list[bytes] | None = None
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
+
+    def message_digests(self) -> list[bytes]:
+        """Digest ``i`` commits to the tenant, model, cache salt and messages ``0..i``
+        (:func:`~.implicit.message_digests`); computed once. Empty for a request without
+        chat messages."""
+        if self.digests is None:
+            messages = self.body.get("messages")
+            if self.path != CHAT_PATH or not isinstance(messages, list):
+                self.digests = []
+            else:
+                start = seed(self.tenant, self.body.get("model"), self.body.get("cache_salt"))
+                self.digests = message_digests(start, messages)
+        return self.digests
 
 
 @dataclass(slots=True)
@@ -130,6 +149,25 @@ class PrefillResult:
     plan: TurnPlan
     #: When prefill answered (perf_counter; for the costs decode adds after it).
     finished_at: float = 0.0
+    #: A ``decode-local`` turn planned from a bound: its tokens are counted after the reply.
+    uncounted: Uncounted | None = None
+
+
+@dataclass(slots=True)
+class Uncounted:
+    """A ``decode-local`` turn planned from a bound on its new tokens (:mod:`.extension`),
+    not from counting them: the count comes after the reply, off the response path, and
+    checks the bound."""
+
+    path: str
+    body: dict[str, Any]
+    #: At most this many tokens past ``covered`` were to be computed by the holder.
+    bound: int
+    #: The prefix of the held prompt its digest verifies (tokens), and that digest.
+    covered: int
+    digest: str | None
+    #: Seconds to the first token (the holder's local prefill), once streamed.
+    first_token_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -147,6 +185,7 @@ class Reuse:
     #: The prompt's tokens and those the holder's cache covers (``decode-local``).
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    uncounted: Uncounted | None = None
 
 
 class TurnRunner:
@@ -184,6 +223,9 @@ class TurnRunner:
         self._background: set[asyncio.Task[None]] = set()
         #: Turns this process served (its share under several workers; /kvturn/status).
         self.turns_served = 0
+        #: Plan a turn that extends the held one from a bound on its new tokens (see
+        #: :mod:`.extension`); off for good once a bound did not hold.
+        self.bound_extensions = True
 
     async def run(self, turn: Turn) -> Reply:
         prompts = batched_prompts(turn.path, turn.body)
@@ -229,8 +271,7 @@ class TurnRunner:
             return None
         if (turn.body.get("n") or 1) != 1:
             return None  # which choice comes back next turn is not known
-        start = seed(turn.tenant, turn.body.get("model"), turn.body.get("cache_salt"))
-        digests = message_digests(start, messages)
+        digests = turn.message_digests()
         turn.implicit = digests[-1]
         found = await self.implicit.match(digests)
         if found is not None:
@@ -252,7 +293,18 @@ class TurnRunner:
         failed: Instance | None = None
         if reuse.plan.local:
             assert reuse.holder is not None
-            local = PrefillResult(None, {}, reuse.prompt_tokens, reuse.reused_tokens, reuse.plan)
+            if reuse.holder.control_url is not None:
+                # Sent now: the engine steps often until the request is there.
+                wake = self.leases.wake(reuse.holder.control_url, within_ms=LOCAL_ARRIVAL_MS)
+                self._background_task(wake)
+            local = PrefillResult(
+                None,
+                {},
+                reuse.prompt_tokens,
+                reuse.reused_tokens,
+                reuse.plan,
+                uncounted=reuse.uncounted,
+            )
             try:
                 return await self._decode(
                     turn, taken, local, target=reuse.holder, supersedes=reuse.previous_key
@@ -547,8 +599,6 @@ class TurnRunner:
         # The table gave this turn alone the KV (decode frees retained blocks after one read:
         # a parallel turn of the same conversation found nothing and recomputes).
         key = conversation.holder_request_id
-        held = conversation.held_tokens
-        digest = conversation.held_digest
         digest_tokens = conversation.held_digest_tokens
         if holder is None or holder.control_url is None or not key:
             self.metrics.fallbacks_by[plan.reason].inc()
@@ -559,7 +609,7 @@ class TurnRunner:
             self.metrics.fallbacks_by[plan.reason].inc()
             return Reuse(plan)
 
-        plan, prompt_tokens = await self._choose(turn, holder, held, digest, digest_tokens)
+        plan, prompt_tokens, uncounted = await self._choose(turn, holder, conversation)
         if plan.pulls and self.config.transfer == "push":
             # Push mode has no pull (see kvturn.connector.push). Where a pull would have been
             # cheaper than a local prefill, a local one is still far cheaper than recomputing
@@ -574,7 +624,7 @@ class TurnRunner:
         if plan.local:
             # The holder's prefix cache serves whole blocks of the verified prefix; the last
             # prompt token is always computed.
-            covered = min(digest_tokens, max(0, prompt_tokens - 1))
+            covered = digest_tokens if uncounted else min(digest_tokens, max(0, prompt_tokens - 1))
             if holder.block_size:
                 covered -= covered % holder.block_size
             return Reuse(
@@ -583,6 +633,7 @@ class TurnRunner:
                 previous_key=key,
                 prompt_tokens=prompt_tokens,
                 reused_tokens=covered,
+                uncounted=uncounted,
             )
         outcome = await self.leases.claim(holder.control_url, key)
         if outcome.params is None or not self._usable(outcome.params):
@@ -596,26 +647,54 @@ class TurnRunner:
         return Reuse(plan, params, claimed=(holder, key))
 
     async def _choose(
-        self, turn: Turn, holder: Instance, held: int, digest: str | None, digest_tokens: int
-    ) -> tuple[TurnPlan, int]:
+        self, turn: Turn, holder: Instance, conversation: Conversation
+    ) -> tuple[TurnPlan, int, Uncounted | None]:
         """``decode-local`` or ``pull-reuse``, from the prompt's exact token ids (asked of
-        the holder only when a local turn is possible at all); and the prompt's length."""
+        an engine only when a local turn is possible at all), or, for a request that extends
+        the held one, from a bound on its new tokens when that bound already says
+        ``decode-local`` (:mod:`.extension`); and the prompt's length (0: not counted)."""
         limits = self.limits
         if not limits.enabled:
-            return TurnPlan("pull-reuse", "local-off"), 0
+            return TurnPlan("pull-reuse", "local-off"), 0, None
         if holder.in_flight >= limits.max_running:
             # choose_reuse would say the same; known now, it saves asking for the token ids.
-            return TurnPlan("pull-reuse", "holder-busy"), 0
+            return TurnPlan("pull-reuse", "holder-busy"), 0, None
+        held = conversation.held_tokens
+        digest = conversation.held_digest
+        digest_tokens = conversation.held_digest_tokens
+        try:
+            prefill_url = self.prefill.choose().url
+        except NoHealthyEngine:
+            prefill_url = ""
+        bound = None
+        if self.bound_extensions and digest is not None:
+            bound = new_tokens_bound(
+                turn.body, turn.message_digests(), conversation.held_prompt_mark
+            )
+        if bound is not None:
+            # What the holder computes: the held tokens past the verified prefix (the
+            # previous prompt's tail and its reply), then what the new messages render to.
+            suffix = max(0, held - digest_tokens) + bound
+            inputs = ReuseInputs(
+                held_tokens=held,
+                prompt_tokens=digest_tokens + suffix,
+                prefix_matches=True,
+                covered_tokens=digest_tokens,
+                holder_running=holder.in_flight,
+                holder_url=holder.url,
+                prefill_url=prefill_url,
+            )
+            plan = choose_reuse(inputs, limits, self.costs)
+            if plan.local:
+                self.metrics.uncounted_turns.inc()
+                uncounted = Uncounted(turn.path, turn.body, suffix, digest_tokens, digest)
+                return plan, 0, uncounted
         started = time.perf_counter()
         ids = await prompt_token_ids(self.upstream, self._counter(holder).url, turn.path, turn.body)
         matches = None
         if ids is not None and digest is not None:
             matches = last_prefix_digest(ids, digest_tokens, DIGEST_CHUNK_TOKENS) == digest
         self.metrics.count_seconds.observe(time.perf_counter() - started)
-        try:
-            prefill_url = self.prefill.choose().url
-        except NoHealthyEngine:
-            prefill_url = ""
         inputs = ReuseInputs(
             held_tokens=held,
             prompt_tokens=None if ids is None else len(ids),
@@ -625,7 +704,7 @@ class TurnRunner:
             holder_url=holder.url,
             prefill_url=prefill_url,
         )
-        return choose_reuse(inputs, limits, self.costs), 0 if ids is None else len(ids)
+        return choose_reuse(inputs, limits, self.costs), 0 if ids is None else len(ids), None
 
     def _counter(self, holder: Instance) -> Instance:
         """Where to count a prompt's tokens: an idle prefill engine if there is one (every
@@ -775,6 +854,12 @@ class TurnRunner:
             turn.implicit,
             prefilled,
             salt_digest(turn.body.get("cache_salt")),
+            decode_url=instance.url,
+            prompt_mark=(
+                prompt_mark(turn.body, turn.message_digests())
+                if keep and taken is not None
+                else None
+            ),
         )
 
         if not turn.stream:
@@ -787,6 +872,7 @@ class TurnRunner:
                 # The client left: the engine request was closed (vLLM aborts it). Free what
                 # decode may keep of it, as for a stream the client left.
                 after.holder, after.incomplete = None, True
+                prefilled.uncounted = None  # nor counted: the turn never answered
                 self._settle_later(after)
                 raise
             finally:
@@ -795,7 +881,7 @@ class TurnRunner:
                 raise DecodeFailed(instance.url, unreachable=False)
             self._mark_settling(after)
             if response.status != 200:
-                after.holder = None
+                after.holder, prefilled.uncounted = None, None  # no turn to count
                 self._settle_later(after)
                 return _passthrough(response.status, response.body, response_headers)
             payload = response.body
@@ -835,7 +921,7 @@ class TurnRunner:
                 payload = b""
             await upstream.aclose()
             instance.in_flight -= 1
-            after.holder = None
+            after.holder, prefilled.uncounted = None, None  # no turn to count
             self._settle_later(after)
             return _passthrough(upstream.status, payload, response_headers)
         relay = _Relay(self, upstream, instance, prefilled, after, turn.started, sent)
@@ -847,16 +933,20 @@ class TurnRunner:
         self.turns_served += 1
         self.metrics.turns_by[plan.plan].inc()
         self.metrics.plans_by[(plan.plan, plan.reason)].inc()
-        self.metrics.reused_tokens.inc(prefilled.reused_tokens)
-        self.metrics.recomputed_tokens.inc(
-            max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
-        )
+        if prefilled.uncounted is None:  # else counted after the reply
+            self._count_tokens(prefilled)
         moved = 0
         if plan.pulls:
             moved = prefilled.reused_tokens + prefilled.prompt_tokens
         elif not plan.local:
             moved = prefilled.prompt_tokens
         self.metrics.kv_bytes_moved_by[plan.plan].inc(moved * decode.kv_bytes_per_token)
+
+    def _count_tokens(self, prefilled: PrefillResult) -> None:
+        self.metrics.reused_tokens.inc(prefilled.reused_tokens)
+        self.metrics.recomputed_tokens.inc(
+            max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
+        )
 
     def _learn_first_token(
         self, prefilled: PrefillResult, decode: Instance, seconds: float
@@ -865,7 +955,9 @@ class TurnRunner:
         what the holder's own prefill of the suffix took)."""
         if prefilled.instance is None and not prefilled.plan.local:
             return  # a decode alone computed the whole prompt: neither cost
-        if prefilled.plan.local:
+        if prefilled.uncounted is not None:
+            prefilled.uncounted.first_token_s = seconds  # learned once the tokens are counted
+        elif prefilled.plan.local:
             suffix = max(1, prefilled.prompt_tokens - prefilled.reused_tokens)
             self.costs.observe_local(decode.url, suffix, seconds)
         else:
@@ -935,7 +1027,11 @@ class TurnRunner:
                 prompt_tokens = int(
                     retained.get(PROMPT_TOKENS_KEY) or after.prefilled.prompt_tokens
                 )
-                chunks = min(len(digests), prompt_tokens // DIGEST_CHUNK_TOKENS)
+                # Short of its last few tokens: text appended to a prompt may merge with them
+                # into other tokens (ChatML's closing "\n" and a reply's leading space, in
+                # SmolLM2's vocabulary), which is no edit of the history.
+                verified = max(0, prompt_tokens - BOUNDARY_TOKENS)
+                chunks = min(len(digests), verified // DIGEST_CHUNK_TOKENS)
                 held = Held(
                     holder.url,
                     request_id,
@@ -944,10 +1040,46 @@ class TurnRunner:
                     held_digest=str(digests[chunks - 1]) if chunks else None,
                     held_digest_tokens=chunks * DIGEST_CHUNK_TOKENS,
                     held_salt=after.salt,
+                    held_prompt_mark=after.prompt_mark,
                 )
         finally:
             # Always recorded, KV or none: the mark of a reply under way comes off with it.
             await self._record(taken, held)
+            if after.prefilled.uncounted is not None:
+                await self._count_after(after.prefilled, after.decode_url)
+
+    async def _count_after(self, prefilled: PrefillResult, decode_url: str) -> None:
+        """Count an uncounted turn's prompt now that its reply is over: for the metrics and
+        the learned costs, and to check the bound it was planned by (see :mod:`.extension`).
+        A bound that did not hold ends planning by bounds in this gateway."""
+        uncounted = prefilled.uncounted
+        assert uncounted is not None
+        decode = self.decode.get(decode_url)
+        if decode is None:
+            return
+        url = self._counter(decode).url
+        ids = await prompt_token_ids(self.upstream, url, uncounted.path, uncounted.body)
+        if ids is None:
+            return
+        prefilled.prompt_tokens = len(ids)
+        self._count_tokens(prefilled)
+        suffix = max(1, len(ids) - uncounted.covered)
+        covered = last_prefix_digest(ids, uncounted.covered, DIGEST_CHUNK_TOKENS)
+        matches = covered == uncounted.digest
+        if uncounted.first_token_s is not None:
+            self.costs.observe_local(decode_url, suffix, uncounted.first_token_s)
+        if (not matches or suffix > uncounted.bound) and self.bound_extensions:
+            self.bound_extensions = False
+            self.metrics.bound_violations.inc()
+            logger.warning(
+                "a decode-local turn planned from a bound on its new tokens computed more "
+                "(%d tokens past the verified prefix, bound %d, prefix %s): this model's chat "
+                "template does not render a longer conversation as an extension of the "
+                "shorter; counting every reuse turn's tokens from now on",
+                suffix,
+                uncounted.bound,
+                "verified" if matches else "changed",
+            )
 
     async def _record(self, taken: Taken, held: Held | None) -> None:
         """Record ``held`` as the conversation's KV; free whatever nobody can come back for:
@@ -990,6 +1122,10 @@ class _After:
     salt: bytes | None = None
     reply: dict[str, Any] | None = None
     target_control_url: str | None = None
+    #: The decode engine the turn went to, and what its request is recognised by next turn
+    #: (:func:`~.extension.prompt_mark`).
+    decode_url: str = ""
+    prompt_mark: str | None = None
     #: The reply did not reach its end (the client left, or decode's stream broke off).
     incomplete: bool = False
     #: The table being told that the reply is under way (``None``: told already).

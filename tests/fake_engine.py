@@ -11,7 +11,9 @@ reader abandoned; any other GET is a 404.
 
 ``/tokenize`` answers only for chats whose first message starts with ``local:`` (so the
 gateway's planner can choose ``decode-local``; every other chat plans a pull, as before): the
-prompt is :data:`_PROMPT_TOKENS` tokens whose first ones are what a decode publishes it holds.
+prompt is :data:`_PROMPT_TOKENS` tokens whose first ones are what a decode publishes it holds
+(and 5000 tokens more for a chat whose first message starts with ``local-long:``: a prompt
+longer than its messages' bytes bound, as no real template renders).
 A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500.
 
 Push mode, as far as the gateway sees it: ``/kvturn/identity`` names the engine
@@ -30,12 +32,13 @@ import json
 from typing import Any
 from urllib.parse import parse_qs
 
-from kvturn.kv_params import PREFIX_DIGESTS_KEY, prefix_digests
+from kvturn.kv_params import PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
 
 Scope = dict[str, Any]
 
 _RETAINED: dict[str, dict[str, Any]] = {}
 _THROTTLED: set[str] = set()
+_CONVERSATIONS: set[str] = set()
 COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0}
 #: When set, /v1 POSTs need ``Authorization: Bearer <this>`` (as vLLM's ``--api-key``).
 REQUIRED_KEY: str | None = None
@@ -127,6 +130,9 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await _send_json(send, 200 if found else 404, found or {"error": "none"})
         return
     if path == "/kvturn/wake" and scope["method"] == "POST":
+        within = json.loads(await _read(receive) or b"{}").get("within_ms")
+        if within is not None:  # a request said to be on its way
+            COUNTS["expected"] = COUNTS.get("expected", 0) + 1
         await _send_json(send, 200, {})
         return
     if path.startswith("/kvturn/leases"):
@@ -151,13 +157,15 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if path == "/tokenize":
         request = json.loads(await _read(receive))
         first = (request.get("messages") or [{}])[0].get("content") or ""
-        if not str(first).startswith("local:"):
+        if not str(first).startswith(("local:", "local-long:")):
             await _send_json(send, 404, {"error": "not found"})
             return
         COUNTS["tokenize"] = COUNTS.get("tokenize", 0) + 1
         where = f"tokenize:{scope['server'][1]}"  # which engine (port) was asked
         COUNTS[where] = COUNTS.get(where, 0) + 1
         tokens = list(range(_PROMPT_TOKENS))
+        if str(first).startswith("local-long:"):
+            tokens += [0] * 5000
         await _send_json(send, 200, {"count": len(tokens), "tokens": tokens})
         return
     authorization = dict(scope["headers"]).get(b"authorization")
@@ -209,6 +217,11 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
                 return
         _PUSH_STATE[request_id] = "arrived"
     COUNTS["decode"] += 1
+    conversation = params.get("kvturn_conversation")
+    # Its "prefix cache": a conversation it served before (a decode-local turn) is cached.
+    cached = _PROMPT_TOKENS - 8 if conversation in _CONVERSATIONS else 0
+    if conversation is not None:
+        _CONVERSATIONS.add(conversation)
     if not params.get("do_remote_prefill"):
         COUNTS["decode_local"] = COUNTS.get("decode_local", 0) + 1
     LAST_CACHE_SALT["decode"] = body.get("cache_salt")
@@ -216,7 +229,7 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
         "remote_request_id": request_id, "remote_host": "localhost", "remote_port": 2,
         "remote_num_tokens": _PROMPT_TOKENS + 1, "expires_in_s": 300.0,
-        PREFIX_DIGESTS_KEY: _HELD_DIGESTS,
+        PREFIX_DIGESTS_KEY: _HELD_DIGESTS, PROMPT_TOKENS_KEY: _PROMPT_TOKENS,
     }  # fmt: skip
     if len(_RETAINED) > 10_000:
         _RETAINED.pop(next(iter(_RETAINED)))
@@ -224,6 +237,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     called = (tool.get("function") or {}).get("name")
     if not body.get("stream"):
         answer = _completion(request_id)
+        if not params.get("do_remote_prefill"):
+            answer["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
         if called:  # a named tool choice: the model calls it
             answer["choices"][0]["message"] = {"role": "assistant", "content": None,
                                                "tool_calls": [_tool_call(called)]}  # fmt: skip

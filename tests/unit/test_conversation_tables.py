@@ -72,6 +72,7 @@ def _held(request_id: str, tokens: int = 4000, lease_s: float = 30.0) -> Held:
         held_digest="ab" * 12,
         held_digest_tokens=256,
         held_salt=b"\x01" * 8,
+        held_prompt_mark="3:" + "cd" * 16 + ":" + "ef" * 8,
     )
 
 
@@ -92,10 +93,12 @@ async def test_a_turn_takes_the_kv_for_itself_alone(table: tuple[ConversationTab
     assert (held.held_digest, held.held_digest_tokens, held.held_salt) == (
         "ab" * 12, 256, b"\x01" * 8
     )  # fmt: skip
+    assert held.held_prompt_mark == "3:" + "cd" * 16 + ":" + "ef" * 8
     assert held.lease_expires_at == pytest.approx(clock.now + 30)
     # A parallel turn (another replica) finds nothing to pull: decode frees after one read.
     parallel = await store.take("k", "conv", "turn-3")
     assert parallel.turn == 3 and parallel.conversation.holder_url is None
+    assert parallel.conversation.held_prompt_mark is None
 
 
 async def test_parallel_takes_never_share_the_kv(table: tuple[ConversationTable, Clock]) -> None:

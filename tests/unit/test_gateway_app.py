@@ -294,7 +294,9 @@ def test_requests_without_an_id_continue_an_implicit_conversation(gateway: str) 
             break
         time.sleep(0.05)
     assert second.headers["x-conversation-id"] == implicit_id
-    assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    # It extends turn 1 with a short message: the holder continues it (planned from a bound
+    # on its new tokens, see kvturn.gateway.extension).
+    assert second.headers["x-kvturn-plan"] == "decode-local"
     other = httpx.post(
         gateway + "/v1/chat/completions",
         json={"model": "fake", "messages": [{"role": "user", "content": "something else"}]},
@@ -348,10 +350,106 @@ def test_a_short_turn_continues_on_the_holder_without_prefill(fake_url: str, str
         assert second.headers["x-kvturn-plan"] == "decode-local"
         assert second.headers["x-kvturn-plan-reason"] == "cheaper"
         assert fake_engine.COUNTS["prefill"] == counts["prefill"]  # no prefill ran
+        # The holder was told the request is on its way (it steps often until it arrives).
+        _counted("expected", counts.get("expected", 0), "the holder was never told")
         assert fake_engine.COUNTS["decode_local"] == counts.get("decode_local", 0) + 1
         assert fake_engine.COUNTS["tokenize"] == counts.get("tokenize", 0) + 1
         metrics = httpx.get(gateway.url + "/metrics").text
         assert 'kvturn_kv_bytes_moved_total{plan="decode-local"} 0.0' in metrics
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"d": "/"}'}}
+_REPLY = {"role": "assistant", "content": "", "tool_calls": [_CALL]}
+_TOOL_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "bin etc home usr var"}
+
+
+def _turn_with(
+    url: str, conversation: str, messages: list[dict[str, Any]], stream: bool = False
+) -> httpx.Response:
+    body = {"model": "fake", "messages": messages, "stream": stream}
+    response = httpx.post(
+        url + "/v1/chat/completions", json=body, headers={"X-Conversation-Id": conversation}
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _until(check: Any, failure: str) -> None:
+    deadline = time.monotonic() + 5
+    while not check():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_that_extends_the_held_one_is_planned_without_counting(
+    fake_url: str, stream: bool
+) -> None:
+    """Its messages start with the held turn's: a bound on its new tokens plans it, and its
+    prompt is counted after the reply (metrics, costs, the bound checked)."""
+    from tests import fake_engine
+
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        conversation = f"extending-{stream}"
+        messages = [{"role": "user", "content": "local: list the root directory"}]
+        first = _turn_with(gateway.url, conversation, messages)
+        assert first.headers["x-kvturn-plan"] == "recompute"
+        _recorded(gateway, conversation)
+        counts = dict(fake_engine.COUNTS)
+        counted = _metric(gateway.url, "kvturn_prompt_count_seconds_count")
+        recomputed = _metric(gateway.url, "kvturn_recomputed_tokens_total")
+        messages = [*messages, _REPLY, _TOOL_RESULT]
+        second = _turn_with(gateway.url, conversation, messages, stream)
+        assert second.headers["x-kvturn-plan"] == "decode-local"
+        assert fake_engine.COUNTS["prefill"] == counts["prefill"]
+        assert _metric(gateway.url, "kvturn_prompt_count_seconds_count") == counted
+        assert _metric(gateway.url, "kvturn_uncounted_turns_total") == 1
+        # Counted once the reply is over (the fake's prompt: 1000 tokens).
+        _counted("tokenize", counts.get("tokenize", 0), "the turn was never counted")
+        _until(
+            lambda: _metric(gateway.url, "kvturn_recomputed_tokens_total") > recomputed,
+            "the counted tokens never reached the metrics",
+        )
+        reused = int(second.headers["x-kvturn-reused-tokens"])
+        assert _metric(gateway.url, "kvturn_recomputed_tokens_total") == (
+            recomputed + 1000 - reused
+        )
+        assert _metric(gateway.url, "kvturn_bound_violations_total") == 0
+        assert gateway.app.state.gateway.runner.bound_extensions
+
+
+def test_a_bound_that_does_not_hold_turns_planning_by_bounds_off(fake_url: str) -> None:
+    """The engine's template rendered the new messages to more tokens than their bytes
+    (``local-long:`` makes the fake engine say so): from then on every turn is counted while
+    planning, and this one's 5000-token suffix goes to P/D."""
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        messages = [{"role": "user", "content": "local-long: list the root directory"}]
+        _turn_with(gateway.url, "long", messages)
+        _recorded(gateway, "long")
+        messages = [*messages, _REPLY, _TOOL_RESULT]
+        second = _turn_with(gateway.url, "long", messages)
+        assert second.headers["x-kvturn-plan"] == "decode-local"
+        _until(
+            lambda: _metric(gateway.url, "kvturn_bound_violations_total") == 1,
+            "the bound was never checked",
+        )
+        assert not gateway.app.state.gateway.runner.bound_extensions
+        _recorded(gateway, "long")
+        counted = _metric(gateway.url, "kvturn_prompt_count_seconds_count")
+        third = _turn_with(gateway.url, "long", [*messages, _REPLY, _TOOL_RESULT])
+        assert third.headers["x-kvturn-plan"] == "pull-reuse"
+        assert third.headers["x-kvturn-plan-reason"] == "suffix-too-long"
+        assert _metric(gateway.url, "kvturn_prompt_count_seconds_count") == counted + 1
+        assert _metric(gateway.url, "kvturn_uncounted_turns_total") == 1
 
 
 def test_an_idle_prefill_engine_counts_the_prompt_not_the_holder() -> None:

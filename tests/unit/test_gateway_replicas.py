@@ -79,7 +79,8 @@ def test_a_conversation_without_an_id_is_found_on_the_other_replica(
         {"role": "user", "content": "And Friday?"},
     ]
     second = _chat(replicas[1], messages)
-    assert _plan(second)[0] == "pull-reuse"
+    # It extends turn 1: the holder continues it, planned by a bound on its new tokens.
+    assert _plan(second)[0] == "decode-local"
     assert second.headers["x-conversation-id"] == first.headers["x-conversation-id"]
 
 

@@ -256,6 +256,49 @@ def test_idle_pacing_is_short_then_long_and_a_wake_restarts_it() -> None:
     assert time.monotonic() - started < 2.5
 
 
+def test_an_expected_request_makes_idle_steps_short_until_it_arrives() -> None:
+    from kvturn.connector.engine_pacing import IdlePacer
+
+    clock = FakeClock()
+    pacer = IdlePacer(short_s=0.01, long_s=0.25, short_phase_s=2.0, clock=clock, soon_s=0.001)
+    assert pacer.next_wait(busy=False) == 0.01
+    clock.now += 2.5
+    assert pacer.next_wait(busy=False) == 0.25  # long since idle
+    pacer.expect(0.05)
+    assert pacer.next_wait(busy=False) == 0.001
+    clock.now += 0.03
+    assert pacer.next_wait(busy=False) == 0.001
+    clock.now += 0.03  # it never came: back to the short phase the wake began
+    assert pacer.next_wait(busy=False) == 0.01
+    pacer.expect(0.05)
+    assert pacer.next_wait(busy=True) == 0.0  # it came
+    assert pacer.next_wait(busy=False) == 0.01
+    pacer.expect(60)  # at most a second
+    clock.now += 1.5
+    assert pacer.next_wait(busy=False) == 0.01
+
+
+def test_a_wake_that_says_when_the_request_arrives_is_passed_on() -> None:
+    table = LeaseTable(time.monotonic, max_lease_s=60)
+    woken: list[str] = []
+    expected: list[float] = []
+    server = ControlServer(
+        table,
+        "127.0.0.1",
+        0,
+        on_call=lambda: woken.append("wake"),
+        on_expect=expected.append,
+    ).start()
+    try:
+        base = f"http://127.0.0.1:{server.port}/kvturn"
+        assert httpx.post(f"{base}/wake").json() == {"ok": True}
+        assert httpx.post(f"{base}/wake", json={"within_ms": 50}).json() == {"ok": True}
+        assert httpx.post(f"{base}/wake", json={"within_ms": "soon"}).json() == {"ok": True}
+    finally:
+        server.stop()
+    assert woken == ["wake"] * 3 and expected == [0.05]
+
+
 def test_leases_of_requests_another_proxy_drives_are_never_reclaimed() -> None:
     clock = FakeClock()
     table = _table(clock)

@@ -241,7 +241,8 @@ def test_response_chained_by_previous_id_reuses_and_can_be_fetched_and_deleted(
     second = client.responses.with_raw_response.create(
         model="fake", input="and?", previous_response_id=response.id
     )
-    assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    # The chained request extends the first: the holder continues it.
+    assert second.headers["x-kvturn-plan"] == "decode-local"
     assert second.headers["x-conversation-id"] == conversation
     chained = second.parse()
     assert chained.previous_response_id == response.id
@@ -290,6 +291,8 @@ def test_function_calls_come_back_as_items_and_chain(client: openai.OpenAI, stre
         previous_response_id=response.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "42"}],
     )
+    # Not planned by a bound: this request carries no tools, so it renders another prompt
+    # than the one whose call it answers (counted: the fake engine cannot, so a pull).
     assert answer.headers["x-kvturn-plan"] == "pull-reuse"
     assert answer.parse().output_text == "ok"
 
@@ -313,12 +316,12 @@ def test_store_false_with_the_full_input_reuses_by_its_messages(client: openai.O
         {"role": "user", "content": "more"},
     ]
     second = client.responses.with_raw_response.create(model="fake", input=following, store=False)
-    assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    assert second.headers["x-kvturn-plan"] == "decode-local"
     assert second.headers["x-conversation-id"].startswith("implicit-")
 
 
 def test_conversation_parameter_names_the_conversation(client: openai.OpenAI) -> None:
-    for plan in ("recompute", "pull-reuse"):
+    for plan in ("recompute", "decode-local"):
         raw = client.responses.with_raw_response.create(
             model="fake", input="hi", conversation="conv_resp_param"
         )
