@@ -5,6 +5,8 @@ turn ``k``'s messages, then turn ``k``'s reply, then what is new. The gateway ke
 recent turn, one digest of *its messages plus its reply* (chained over messages, so a request's
 digests of every prefix come from one pass over it) and the conversation it belonged to. A
 request without an id whose messages start with such a prefix is that conversation's next turn.
+Only prefixes that end with an assistant message can be one: a conversation's first request is
+not looked up at all.
 
 Matching only finds the conversation; it never decides what KV is reused. Every plan verifies
 exact token ids (decode's prefix cache hashes them, prefill's pull checks the holder's digests),

@@ -273,7 +273,10 @@ class TurnRunner:
             return None  # which choice comes back next turn is not known
         digests = turn.message_digests()
         turn.implicit = digests[-1]
-        found = await self.implicit.match(digests)
+        # Only a prefix that ends with a reply can be a recorded turn's messages plus reply: a
+        # conversation's first request (no assistant message yet) is not looked up at all.
+        ends = [d for d, m in zip(digests, messages, strict=True) if _is_reply(m)]
+        found = await self.implicit.match(ends) if ends else None
         if found is not None:
             key, conversation_id = found
             self.metrics.implicit_by["matched"].inc()
@@ -1232,6 +1235,10 @@ class _Relay:
 
 
 _SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _is_reply(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("role") == "assistant"
 
 
 def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -306,6 +306,35 @@ def test_requests_without_an_id_continue_an_implicit_conversation(gateway: str) 
     assert 'kvturn_implicit_conversations_total{result="matched"} 1.0' in metrics
 
 
+def test_only_histories_with_a_reply_are_looked_up(fake_url: str) -> None:
+    """A recorded turn is its messages plus a reply: a first request (no assistant message)
+    has nothing to find, and of a longer one only the prefixes ending in a reply are asked."""
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        runner = gateway.app.state.gateway.runner
+        asked: list[int] = []
+        match = runner.implicit.match
+
+        async def counted(digests: Any) -> Any:
+            asked.append(len(digests))
+            return await match(digests)
+
+        runner.implicit.match = counted
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        first = httpx.post(gateway.url + "/v1/chat/completions", json=_chat_body(messages))
+        assert asked == []
+        _until(lambda: runner.implicit.size() == 1, "turn 1 was never recorded")
+        reply = first.json()["choices"][0]["message"]
+        messages = [*messages, reply, {"role": "user", "content": "and?"}]
+        second = httpx.post(gateway.url + "/v1/chat/completions", json=_chat_body(messages))
+        assert asked == [1]
+        assert second.headers["x-conversation-id"] == first.headers["x-conversation-id"]
+
+
+def _chat_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": "fake", "messages": messages}
+
+
 LOCAL_MESSAGES = [{"role": "user", "content": "local: continue where you are"}]
 
 
