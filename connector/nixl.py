@@ -264,7 +264,7 @@ class KvturnConnectorBase(NixlBaseConnector):
             lease_s = float(sent.get(LEASE_KEY) or self._ttl_s)
         except (TypeError, ValueError):
             lease_s = self._ttl_s
-        self.leases.retain(
+        lease = self.leases.retain(
             request.request_id,
             key,
             str(sent.get(CONVERSATION_KEY) or f"request:{key}"),
@@ -273,6 +273,9 @@ class KvturnConnectorBase(NixlBaseConnector):
             lease_s,
             reclaimable=CONVERSATION_KEY in sent,
         )
+        # What the control server would answer for the lease: vLLM hands these params back in
+        # a non-streamed reply (not in a stream's chunks), so the gateway need not ask.
+        params["expires_in_s"] = round(lease.expires_at - lease.paused_since, 3)
         self._usage.set_blocks(_lease_owner(request.request_id), params["remote_block_ids"])
 
     def _steer_retention(self, meta: Any, scheduler_output: SchedulerOutput) -> None:

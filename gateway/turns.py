@@ -896,6 +896,7 @@ class TurnRunner:
                     prefilled.reused_tokens = int(cached["cached_tokens"] or 0)
                     response_headers[h.REUSED_TOKENS] = str(prefilled.reused_tokens)
             self._count(prefilled, instance)
+            after.retained = _retained_in(data.get("kv_transfer_params"))
             if data.get("kv_transfer_params") is not None:
                 # Engine-internal: shown to callers as one engine alone shows it (null).
                 data["kv_transfer_params"] = None
@@ -996,8 +997,8 @@ class TurnRunner:
             if after.marking is not None:
                 with contextlib.suppress(StateUnavailable):
                     await after.marking
-            retained = None
-            if holder is not None and holder.control_url is not None:
+            retained = after.retained if holder is not None else None
+            if retained is None and holder is not None and holder.control_url is not None:
                 retained = await self.leases.published(
                     holder.control_url, request_id, self.config.publish_wait_s
                 )
@@ -1129,6 +1130,9 @@ class _After:
     #: (:func:`~.extension.prompt_mark`).
     decode_url: str = ""
     prompt_mark: str | None = None
+    #: What decode says it retains, when its reply said so (a non-streamed reply carries the
+    #: connector's params): no need to ask its control server.
+    retained: dict[str, Any] | None = None
     #: The reply did not reach its end (the client left, or decode's stream broke off).
     incomplete: bool = False
     #: The table being told that the reply is under way (``None``: told already).
@@ -1235,6 +1239,14 @@ class _Relay:
 
 
 _SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _retained_in(params: Any) -> dict[str, Any] | None:
+    """The lease a decode's non-streamed reply describes (the kvturn connector's params), if
+    it describes one."""
+    if isinstance(params, dict) and "expires_in_s" in params and PREFIX_DIGESTS_KEY in params:
+        return params
+    return None
 
 
 def _is_reply(message: Any) -> bool:

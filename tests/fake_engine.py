@@ -3,7 +3,9 @@ the gateway-overhead benchmark only. It never proves reuse works (the engine tes
 
 One raw ASGI app plays both roles: with ``do_remote_decode`` in the request it answers like a
 prefill (``kv_transfer_params`` for decode); otherwise like a decode (a short reply, streamed or
-not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn connector.
+not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn connector (a
+non-streamed reply of a conversation's turn carries the same as its ``kv_transfer_params``, as
+vLLM hands back what the connector's ``request_finished`` returns).
 ``/metrics`` answers like one vLLM engine (vllm-router reads it at start-up to count DP ranks);
 ``/fake/counts`` says how many prefill and decode requests it served (to check a router's
 P/D routing), and how many slow streams (``fake_slow_stream``: one chunk per 20 ms) their
@@ -126,6 +128,7 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await _send_json(send, 200, COUNTS)
         return
     if path.startswith("/kvturn/retained/"):
+        COUNTS["retained_asked"] = COUNTS.get("retained_asked", 0) + 1
         found = _RETAINED.get(path.rsplit("/", 1)[1])
         await _send_json(send, 200 if found else 404, found or {"error": "none"})
         return
@@ -239,6 +242,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         answer = _completion(request_id)
         if not params.get("do_remote_prefill"):
             answer["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
+        if conversation:  # as the connector's request_finished hands them to vLLM's reply
+            answer["kv_transfer_params"] = _RETAINED[request_id]
         if called:  # a named tool choice: the model calls it
             answer["choices"][0]["message"] = {"role": "assistant", "content": None,
                                                "tool_calls": [_tool_call(called)]}  # fmt: skip

@@ -40,7 +40,7 @@ def test_conversation_turns_reuse_and_say_so(gateway: str) -> None:
     assert first.status_code == 200
     assert first.headers["x-kvturn-plan"] == "recompute"
     assert first.headers["x-kvturn-lease-seconds"] == "60"
-    assert "kv_transfer_params" not in first.json()
+    assert first.json().get("kv_transfer_params") is None  # engine-internal, as vLLM shows it
     second = _chat(gateway, stream=True, **{"X-Conversation-Id": "c1"})
     assert second.headers["x-kvturn-plan"] == "pull-reuse"
     assert int(second.headers["x-kvturn-reused-tokens"]) > 0
@@ -479,6 +479,26 @@ def test_a_bound_that_does_not_hold_turns_planning_by_bounds_off(fake_url: str) 
         assert third.headers["x-kvturn-plan-reason"] == "suffix-too-long"
         assert _metric(gateway.url, "kvturn_prompt_count_seconds_count") == counted + 1
         assert _metric(gateway.url, "kvturn_uncounted_turns_total") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_where_a_turn_left_its_kv_is_asked_only_of_a_streamed_reply(
+    fake_url: str, stream: bool
+) -> None:
+    """A non-streamed reply carries what decode retains (the connector's params, handed back
+    by vLLM); a stream does not, so the gateway asks decode's control server."""
+    from tests import fake_engine
+
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        conversation = f"told-{stream}"
+        asked = fake_engine.COUNTS.get("retained_asked", 0)
+        messages = [{"role": "user", "content": "where is it kept?"}]
+        _turn_with(gateway.url, conversation, messages, stream)
+        _recorded(gateway, conversation)
+        held = gateway.app.state.gateway.store.peek(conversation)
+        assert held.held_tokens == 1001 and held.held_digest is not None
+        assert fake_engine.COUNTS.get("retained_asked", 0) == asked + (1 if stream else 0)
 
 
 def test_an_idle_prefill_engine_counts_the_prompt_not_the_holder() -> None:
