@@ -16,7 +16,8 @@ Three plans serve a turn of a conversation whose KV a decode engine holds under 
 
 Planning is two pure functions on injected state, no I/O: :func:`plan_turn` says whether the
 conversation has reusable KV at all (else the reason it does not); :func:`choose_reuse` picks
-between the holder and P/D from the exact token counts, the holder's load and the costs
+between the holder and P/D from the token counts (exact, or for a request that extends the
+held one an upper bound: :mod:`.extension`), the holder's load and the costs
 :class:`CostModel` learns online from the engines' own timings.
 """
 
@@ -112,7 +113,8 @@ class LocalLimits:
 
 @dataclass(frozen=True, slots=True)
 class ReuseInputs:
-    """What :func:`choose_reuse` knows about one turn (all exact, or ``None`` if unknown)."""
+    """What :func:`choose_reuse` knows about one turn (exact, or ``None`` if unknown; the
+    prompt's tokens may be an upper bound, see :mod:`.extension`)."""
 
     #: Tokens the holder retains for the conversation.
     held_tokens: int
