@@ -4,7 +4,8 @@
 
 It speaks the same protocol as ``tests/fake_engine.py`` (prefill when the request carries
 ``do_remote_decode``, otherwise decode, streamed or not; what decode "retains" is published on
-``/kvturn/retained/{X-Request-Id}`` and answers claims, renewals and releases of it like the
+``/kvturn/retained/{X-Request-Id}``, and handed back in a conversation turn's non-streamed
+reply as its ``kv_transfer_params``, and answers claims, renewals and releases of it like the
 kvturn connector; ``/metrics`` like one vLLM
 engine; ``/fake/counts``), but as a bare asyncio protocol on uvloop with httptools and
 pre-encoded answers, so that one request costs it a few tens of microseconds. Against the
@@ -20,6 +21,8 @@ import asyncio
 import httptools
 import orjson
 import uvloop
+
+from kvturn.kv_params import PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
 
 PROMPT_TOKENS = 1000
 
@@ -96,12 +99,16 @@ _GETS = {
 _NOT_FOUND = _response(404, b'{"error":"not found"}')
 
 
-def _retained(request_id: bytes) -> bytes:
-    return orjson.dumps({
+_HELD_DIGESTS = prefix_digests([*range(PROMPT_TOKENS), 0])
+
+
+def _retained(request_id: bytes) -> dict:
+    return {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
         "remote_request_id": request_id.decode(), "remote_host": "localhost", "remote_port": 2,
         "remote_num_tokens": PROMPT_TOKENS + 1, "expires_in_s": 300.0,
-    })  # fmt: skip
+        PREFIX_DIGESTS_KEY: _HELD_DIGESTS, PROMPT_TOKENS_KEY: PROMPT_TOKENS,
+    }  # fmt: skip
 
 
 _OK = _response(200, b"{}")
@@ -186,10 +193,15 @@ class FakeEngine(asyncio.Protocol):
             _COUNTS["prefill"] += 1
             return _PREFILL if params.get("remote_block_ids") is None else _PREFILL_REUSED
         _COUNTS["decode"] += 1
-        _RETAINED[self.request_id] = _retained(self.request_id)
+        retained = _retained(self.request_id)
+        _RETAINED[self.request_id] = orjson.dumps(retained)
         if len(_RETAINED) > _RETAINED_MAX:
             del _RETAINED[next(iter(_RETAINED))]
-        return _DECODE_STREAM if request.get("stream") else _DECODE
+        if request.get("stream"):
+            return _DECODE_STREAM
+        if params.get("kvturn_conversation"):  # as vLLM hands back request_finished's params
+            return _response(200, orjson.dumps(_completion("decode", 0, retained)))
+        return _DECODE
 
 
 async def serve(host: str, port: int) -> None:

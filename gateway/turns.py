@@ -858,11 +858,8 @@ class TurnRunner:
             prefilled,
             salt_digest(turn.body.get("cache_salt")),
             decode_url=instance.url,
-            prompt_mark=(
-                prompt_mark(turn.body, turn.message_digests())
-                if keep and taken is not None
-                else None
-            ),
+            # Marked after the reply, off the response path, if anything is retained.
+            marks=turn if keep and self.limits.enabled else None,
         )
 
         if not turn.stream:
@@ -1044,7 +1041,11 @@ class TurnRunner:
                     held_digest=str(digests[chunks - 1]) if chunks else None,
                     held_digest_tokens=chunks * DIGEST_CHUNK_TOKENS,
                     held_salt=after.salt,
-                    held_prompt_mark=after.prompt_mark,
+                    held_prompt_mark=(
+                        prompt_mark(after.marks.body, after.marks.message_digests())
+                        if after.marks is not None
+                        else None
+                    ),
                 )
         finally:
             # Always recorded, KV or none: the mark of a reply under way comes off with it.
@@ -1126,10 +1127,11 @@ class _After:
     salt: bytes | None = None
     reply: dict[str, Any] | None = None
     target_control_url: str | None = None
-    #: The decode engine the turn went to, and what its request is recognised by next turn
-    #: (:func:`~.extension.prompt_mark`).
+    #: The decode engine the turn went to.
     decode_url: str = ""
-    prompt_mark: str | None = None
+    #: The turn whose request the next one is recognised by (:func:`~.extension.prompt_mark`);
+    #: ``None`` where decode-local is off or nothing is kept.
+    marks: Turn | None = None
     #: What decode says it retains, when its reply said so (a non-streamed reply carries the
     #: connector's params): no need to ask its control server.
     retained: dict[str, Any] | None = None

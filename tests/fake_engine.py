@@ -225,6 +225,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     cached = _PROMPT_TOKENS - 8 if conversation in _CONVERSATIONS else 0
     if conversation is not None:
         _CONVERSATIONS.add(conversation)
+        if len(_CONVERSATIONS) > 10_000:
+            _CONVERSATIONS.clear()
     if not params.get("do_remote_prefill"):
         COUNTS["decode_local"] = COUNTS.get("decode_local", 0) + 1
     LAST_CACHE_SALT["decode"] = body.get("cache_salt")
