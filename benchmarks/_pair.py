@@ -126,6 +126,27 @@ def group_cpu_seconds(leader_pids: list[int]) -> float:
     return total / CLOCK_TICKS
 
 
+def tree_cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user and system, every thread) of these processes and their children so far
+    (a gateway's worker processes are its children)."""
+    total = 0
+    seen: set[int] = set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue  # gone meanwhile
+        total += int(stat[11]) + int(stat[12])
+    return total / CLOCK_TICKS
+
+
 def cpu_share(leader_pids: list[int], seconds: float) -> float:
     """Average cores used by the engines over ``seconds`` (1.0 = one full core)."""
     before = group_cpu_seconds(leader_pids)

@@ -14,7 +14,11 @@ virtualenv so it cannot disturb kvturn's packages:
 
 (without it, or with --no-router, its columns are left out). A second gateway with its state in
 Redis (``--state redis://…``, a ``redis-server`` of its own on loopback) is measured beside the
-first (without ``redis-server``, or with --no-redis, it is left out). With --servers, the same
+first (without ``redis-server``, or with --no-redis, it is left out), and a third with implicit
+conversations off: the requests carry no conversation id, which by default the gateway still
+tracks as conversations (vllm-router tracks nothing), so this one shows what that costs. For
+concurrency 32 and 256 the CPU each router's processes used per request is reported too (one
+Python process is capped at one core; vllm-router is multi-threaded). With --servers, the same
 gateway app is also served whole by maintained ASGI servers (``benchmarks/asgi_gateway.py``):
 uvicorn with httptools, uvicorn with h11, and granian if it is installed
 (``.venv/bin/pip install granian==2.8.7``; not a kvturn dependency). With --workers N, the
@@ -48,7 +52,7 @@ from kvturn.gateway.http1 import HttpClient
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _pair import server, shown
+from _pair import server, shown, tree_cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.md"
@@ -59,6 +63,9 @@ GATEWAY_REDIS_PORT, REDIS_PORT = 29004, 29005
 SERVER_PORTS = {"uvicorn-httptools": 29006, "uvicorn-h11": 29007, "granian": 29008}
 #: The gateway as several worker processes sharing one Redis table (--workers N).
 WORKERS_KIND, WORKERS_PORT = "gateway-workers", 29009
+#: The gateway without implicit conversations: a request without an id is relayed P/D and
+#: tracked by nothing (vllm-router's work), beside the default that tracks it.
+UNTRACKED_KIND, UNTRACKED_PORT = "gateway-untracked", 29010
 LEVELS = (1, 32, 256)
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
 PREFILL = PREFILL_FOR_REMOTE_DECODE
@@ -68,6 +75,7 @@ PORTS = {
     "router": ROUTER_PORT,
     **SERVER_PORTS,
     WORKERS_KIND: WORKERS_PORT,
+    UNTRACKED_KIND: UNTRACKED_PORT,
 }
 JSON = {"content-type": "application/json"}
 
@@ -161,13 +169,22 @@ async def sequential(kinds: list[str], stream: bool, n: int) -> dict[str, dict[s
 
 
 async def concurrent(
-    kinds: list[str], stream: bool, concurrency: int, n: int, rounds: int
+    kinds: list[str],
+    stream: bool,
+    concurrency: int,
+    n: int,
+    rounds: int,
+    pids: dict[str, list[int]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``concurrency`` workers, ``n`` requests per kind split over ``rounds`` rounds that
-    alternate the kinds; req/s is the median round's, latencies are pooled."""
+    alternate the kinds; req/s is the median round's, latencies are pooled. For a kind in
+    ``pids`` (its server processes), the CPU they used in its rounds: per request, and in
+    cores (CPU seconds over wall seconds)."""
     client = HttpClient(timeout_s=60)
     latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
     rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    used = {kind: [0.0, 0.0, 0] for kind in kinds}  # CPU s, wall s, requests
+    pids = pids or {}
 
     async def run(kind: str, count: int, into: list[float]) -> float:
         counter = iter(range(count))
@@ -176,9 +193,15 @@ async def concurrent(
             for i in counter:
                 into.append(await call(client, kind, stream, i))
 
+        cpu = tree_cpu_seconds(pids.get(kind, []))
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return count / (time.perf_counter() - started)
+        wall = time.perf_counter() - started
+        if into is latencies[kind]:
+            used[kind][0] += tree_cpu_seconds(pids.get(kind, [])) - cpu
+            used[kind][1] += wall
+            used[kind][2] += count
+        return count / wall
 
     try:
         for kind in kinds:  # warm-up: opens the pools of the client and the router under test
@@ -188,7 +211,13 @@ async def concurrent(
                 rates[kind].append(await run(kind, n // rounds, latencies[kind]))
     finally:
         await client.close()
-    return {k: summary(latencies[k], statistics.median(rates[k])) for k in kinds}
+    found = {k: summary(latencies[k], statistics.median(rates[k])) for k in kinds}
+    for kind in pids:
+        if kind in found:
+            cpu, wall, count = used[kind]
+            found[kind]["cpu_us"] = cpu / count * 1e6
+            found[kind]["cores"] = cpu / wall
+    return found
 
 
 def fake_counts() -> dict[str, int]:
@@ -252,6 +281,7 @@ def main() -> int:
     fake_url = f"http://127.0.0.1:{FAKE_PORT}"
     gateway = (py, "-m", "kvturn.gateway.cli", "serve", "--prefill", fake_url, "--decode", fake_url,
                "--decode-control", fake_url, "--port", str(GATEWAY_PORT))  # fmt: skip
+    untracked = (*gateway[:-1], str(UNTRACKED_PORT), "--implicit-conversations", "off")
     redis_bin = shutil.which("redis-server")
     with_redis = not args.no_redis and redis_bin is not None
     redis = (str(redis_bin), "--port", str(REDIS_PORT), "--bind", "127.0.0.1", "--save", "",
@@ -276,6 +306,7 @@ def main() -> int:
     kinds = [
         "direct",
         "gateway",
+        UNTRACKED_KIND,
         *(["gateway-redis"] if with_redis else []),
         *(["router"] if with_router else []),
         *asgi_servers,
@@ -286,16 +317,27 @@ def main() -> int:
     started = time.monotonic()
     with (
         server(*fake, port=FAKE_PORT),
-        server(*gateway, port=GATEWAY_PORT),
-        server(*redis, port=REDIS_PORT, http=False) if with_redis else _nothing(),
-        server(*gateway_redis, port=GATEWAY_REDIS_PORT) if with_redis else _nothing(),
-        server(*router, port=ROUTER_PORT) if with_router else _nothing(),
+        server(*gateway, port=GATEWAY_PORT) as gateway_proc,
+        server(*untracked, port=UNTRACKED_PORT) as untracked_proc,
+        server(*redis, port=REDIS_PORT, http=False) if with_redis else _nothing() as redis_proc,
+        server(*gateway_redis, port=GATEWAY_REDIS_PORT) if with_redis else _nothing() as g_redis,
+        server(*router, port=ROUTER_PORT) if with_router else _nothing() as router_proc,
         contextlib.ExitStack() as stack,
     ):
+        # Whose CPU each kind's requests cost: its server processes (a Redis gateway's
+        # redis-server too).
+        pids = {"gateway": [gateway_proc.pid], UNTRACKED_KIND: [untracked_proc.pid]}
+        redis_pids = [redis_proc.pid] if redis_proc is not None else []
+        if g_redis is not None:
+            pids["gateway-redis"] = [g_redis.pid, *redis_pids]
+        if router_proc is not None:
+            pids["router"] = [router_proc.pid]
         for kind, command in asgi_servers.items():
-            stack.enter_context(server(*command, port=SERVER_PORTS[kind], env=asgi_env))
+            proc = stack.enter_context(server(*command, port=SERVER_PORTS[kind], env=asgi_env))
+            pids[kind] = [proc.pid]
         for kind, command in workers.items():
-            stack.enter_context(server(*command, port=PORTS[kind]))
+            proc = stack.enter_context(server(*command, port=PORTS[kind]))
+            pids[kind] = [proc.pid, *redis_pids]
         for stream in (False, True):
             if with_router:
                 check_router_does_pd(stream)
@@ -304,16 +346,19 @@ def main() -> int:
                 if concurrency == 1:
                     found = uvloop.run(sequential([*kinds, *with_cid], stream, n))
                 else:
-                    found = uvloop.run(concurrent(kinds, stream, concurrency, n, rounds))
+                    found = uvloop.run(concurrent(kinds, stream, concurrency, n, rounds, pids))
                 results[(stream, concurrency)] = found
                 print(f"stream={stream} c={concurrency}: {found}", flush=True)
     took = time.monotonic() - started
-    servers = {"fake": fake, "gateway": gateway, "router": router, "redis": gateway_redis}
+    servers = {"fake": fake, "gateway": gateway, "router": router, "redis": gateway_redis,
+               "untracked": untracked}  # fmt: skip
     write_results(args, results, counts, rounds, took, servers, with_router, with_redis)
+    write_untracked_results(args.out, results, untracked, with_router)
     if asgi_servers:
         write_server_results(args.out, results, asgi_servers)
     if workers:
         write_worker_results(args.out, results, workers, args.workers)
+    write_cpu_results(args.out, results)
     return 0
 
 
@@ -335,6 +380,27 @@ def _asgi_servers(py: str) -> dict[str, tuple[str, ...]]:
             "benchmarks.asgi_gateway:app",
         )  # fmt: skip
     return commands
+
+
+def write_untracked_results(
+    out: Path,
+    results: dict[tuple[bool, int], dict[str, dict[str, Any]]],
+    untracked: tuple[str, ...],
+    with_router: bool,
+) -> None:
+    """The gateway with and without implicit conversations, beside vllm-router."""
+    intro = [
+        "## What tracking id-less conversations costs (same run)",
+        "",
+        "The requests above carry no conversation id. By default the gateway still tracks "
+        "each as a conversation (implicit conversations: its messages are digested, it gets "
+        "an entry in the table, decode is asked to keep its KV, and where that KV stays is "
+        "recorded after the reply), so that the next turn of it can reuse that KV. vllm-router "
+        "tracks nothing. `gateway-untracked` is the same gateway with implicit conversations "
+        f"off, relaying such a request P/D as vllm-router does: `{shown(untracked)}`.",
+    ]
+    kinds = ["gateway", UNTRACKED_KIND, *(["router"] if with_router else [])]
+    _append_added_table(out, results, intro, kinds)
 
 
 def write_server_results(
@@ -371,6 +437,35 @@ def write_worker_results(
     measured = results[(False, 1)]
     kinds = [k for k in ("gateway", "gateway-redis", WORKERS_KIND, "router") if k in measured]
     _append_added_table(out, results, intro, kinds)
+
+
+def write_cpu_results(
+    out: Path, results: dict[tuple[bool, int], dict[str, dict[str, Any]]]
+) -> None:
+    """What each router's requests cost in CPU at concurrency 32 and 256 (same rounds)."""
+    lines = [
+        "",
+        "## CPU per request (same run)",
+        "",
+        "CPU time (user and system, all threads and child processes) of each router's own "
+        "processes during its measured rounds: per request, and as cores busy (CPU seconds "
+        "over wall seconds). The Redis kinds include their redis-server. Two cores are shared "
+        "with the fake engine and the load generator: a process with one thread of Python "
+        "is capped at one core, a multi-threaded one is not.",
+        "",
+        "| streamed | concurrency | router | req/s | CPU per request | cores busy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (stream, c), found in results.items():
+        for kind, r in found.items():
+            if "cpu_us" in r:
+                lines.append(
+                    f"| {'yes' if stream else 'no'} | {c} | {kind} | {r['rps']:.0f} "
+                    f"| {r['cpu_us']:.0f} µs | {r['cores']:.2f} |"
+                )
+    with out.open("a") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def _append_added_table(
