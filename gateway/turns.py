@@ -879,7 +879,6 @@ class TurnRunner:
                 instance.in_flight -= 1
             if response.status >= 500:
                 raise DecodeFailed(instance.url, unreachable=False)
-            self._mark_settling(after)
             if response.status != 200:
                 after.holder, prefilled.uncounted = None, None  # no turn to count
                 self._settle_later(after)
@@ -894,6 +893,9 @@ class TurnRunner:
                     response_headers[h.REUSED_TOKENS] = str(prefilled.reused_tokens)
             self._count(prefilled, instance)
             after.retained = _retained_in(data.get("kv_transfer_params"))
+            if after.retained is None and after.holder is not None:
+                # Decode did not say where the KV stays: the record waits on asking it.
+                self._mark_settling(after)
             if data.get("kv_transfer_params") is not None:
                 # Engine-internal: shown to callers as one engine alone shows it (null).
                 data["kv_transfer_params"] = None
@@ -968,8 +970,12 @@ class TurnRunner:
 
     def _mark_settling(self, after: _After) -> None:
         """From now until the reply is recorded, the conversation's next turn waits for it
-        (a while). Off the response path: :meth:`_settle` waits for it before recording."""
+        (a while). Off the response path: :meth:`_settle` waits for it before recording.
+        For a reply that is under way (a stream), or whose record must first ask decode where
+        its KV stays; a reply recorded as soon as it is complete is not marked: a mark would
+        reach the table no sooner than the record (one call fewer per turn)."""
         if after.taken is not None:
+            after.marked = True
             after.marking = self.store.settling(after.taken.conversation.key, after.taken.turn)
 
     def _settle_later(self, after: _After) -> None:
@@ -981,16 +987,14 @@ class TurnRunner:
         taken, holder, request_id = after.taken, after.holder, after.request_id
         assert taken is not None
         held: Held | None = None
+        # A marked reply's record may take a while: the conversation is made findable by its
+        # messages first thing (its next turn may come any moment now, and then waits for the
+        # record). Otherwise the record comes first, so that the conversation is found only
+        # once its KV is recorded.
+        findable_first = after.marked
         try:
-            if after.implicit is not None and after.reply is not None:
-                # The next turn of this conversation starts with these messages and this
-                # reply: first thing, as the client may send it any moment now.
-                conversation = taken.conversation
-                with contextlib.suppress(StateUnavailable):
-                    await self.implicit.record(
-                        extend(after.implicit, after.reply),
-                        (conversation.key, conversation.conversation_id),
-                    )
+            if findable_first:
+                await self._findable(after)
             if after.marking is not None:
                 with contextlib.suppress(StateUnavailable):
                     await after.marking
@@ -1050,8 +1054,22 @@ class TurnRunner:
         finally:
             # Always recorded, KV or none: the mark of a reply under way comes off with it.
             await self._record(taken, held)
+            if not findable_first:
+                await self._findable(after)
             if after.prefilled.uncounted is not None:
                 await self._count_after(after.prefilled, after.decode_url)
+
+    async def _findable(self, after: _After) -> None:
+        """An implicit conversation's next turn starts with this turn's messages and reply:
+        index the conversation by them."""
+        if after.implicit is None or after.reply is None or after.taken is None:
+            return
+        conversation = after.taken.conversation
+        with contextlib.suppress(StateUnavailable):
+            await self.implicit.record(
+                extend(after.implicit, after.reply),
+                (conversation.key, conversation.conversation_id),
+            )
 
     async def _count_after(self, prefilled: PrefillResult, decode_url: str) -> None:
         """Count an uncounted turn's prompt now that its reply is over: for the metrics and
@@ -1137,7 +1155,9 @@ class _After:
     retained: dict[str, Any] | None = None
     #: The reply did not reach its end (the client left, or decode's stream broke off).
     incomplete: bool = False
-    #: The table being told that the reply is under way (``None``: told already).
+    #: Whether the table was told that the reply is under way (:meth:`TurnRunner._mark_settling`),
+    #: and that call, if it is still being made (``None``: made already).
+    marked: bool = False
     marking: Awaitable[None] | None = None
 
     def __post_init__(self) -> None:

@@ -331,6 +331,45 @@ def test_only_histories_with_a_reply_are_looked_up(fake_url: str) -> None:
         assert second.headers["x-conversation-id"] == first.headers["x-conversation-id"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
+    fake_url: str, stream: bool
+) -> None:
+    """A stream is marked as under way when it starts, and its conversation is made findable
+    by its messages before the record (which waits for decode to say where the KV stays): a
+    next turn that comes meanwhile finds it and waits for the record. A non-streamed reply
+    says where its KV stays: recorded at once, with no mark (one table call fewer), and
+    findable only once recorded."""
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        runner = gateway.app.state.gateway.runner
+        calls: list[str] = []
+
+        def noted(name: str, call: Any) -> Any:
+            def note(*args: Any) -> Any:
+                calls.append(name)
+                return call(*args)
+
+            return note
+
+        runner.store.settling = noted("mark", runner.store.settling)
+        runner.store.record = noted("record", runner.store.record)
+        runner.implicit.record = noted("findable", runner.implicit.record)
+        messages = [{"role": "user", "content": f"marked while streamed? {stream}"}]
+        first = httpx.post(
+            gateway.url + "/v1/chat/completions", json={**_chat_body(messages), "stream": stream}
+        )
+        assert first.status_code == 200
+        _until(lambda: len(calls) == (3 if stream else 2), f"recorded: {calls}")
+        assert calls == (["mark", "findable", "record"] if stream else ["record", "findable"])
+        if not stream:
+            reply = first.json()["choices"][0]["message"]
+            messages = [*messages, reply, {"role": "user", "content": "and?"}]
+            second = httpx.post(gateway.url + "/v1/chat/completions", json=_chat_body(messages))
+            assert second.headers["x-conversation-id"] == first.headers["x-conversation-id"]
+            assert second.headers["x-kvturn-plan"] == "decode-local"
+
+
 def _chat_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"model": "fake", "messages": messages}
 
