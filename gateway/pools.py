@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,9 @@ class Instance:
     #: Push mode, prefill engines: the NIXL identity its control server reports (engine id,
     #: side channel, parallel sizes), asked once and asked again after a failure.
     identity: dict[str, Any] | None = field(default=None, init=False)
+    #: When (``time.monotonic()``) this gateway last sent it a turn's request or a wake: an
+    #: engine that busy lately needs no wake (see ``TurnRunner._wake_decode``).
+    last_sent: float = field(default=-math.inf, init=False)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or "127.0.0.1"

@@ -82,6 +82,13 @@ CONVERSATION_PARAM = "kvturn_conversation"
 #: A decode-local turn's request reaches the holder's engine core within this long of being
 #: sent (its API server renders and tokenizes it first): the engine steps often meanwhile.
 LOCAL_ARRIVAL_MS = 50
+#: A decode engine paced while idle (on CPU) keeps its idle steps 10 ms apart for its first
+#: 2 s of idleness and a quarter second apart after (``IdlePacer`` in
+#: ``kvturn.connector.engine_pacing``). A wake at a turn's start is worth sending only to end
+#: such a long wait: one this gateway sent a request or a wake within this long is still in
+#: its short phase (half of it: a margin), and a turn's decode request, sent after prefill,
+#: would sit out a short wait with or without a wake.
+WAKE_AFTER_IDLE_S = 1.0
 LEASE_PARAM = "kvturn_lease_s"
 PAUSE_PARAM = "kvturn_pause"
 #: Why the holder had no lease to claim → the turn's fallback reason.
@@ -562,12 +569,19 @@ class TurnRunner:
 
     def _wake_decode(self, conversation: Conversation | None) -> None:
         """An idle decode paces its empty steps (up to a quarter second apart while it holds
-        leases): tell the one this turn will likely use, while prefill runs."""
+        leases): tell the one this turn will likely use, while prefill runs, unless it was
+        busy lately (see ``WAKE_AFTER_IDLE_S``)."""
         try:
             target = self.decode.choose(prefer=conversation.holder_url if conversation else None)
         except NoHealthyEngine:
             return
-        if target.in_flight == 0 and target.control_url is not None:
+        now = time.monotonic()
+        if (
+            target.in_flight == 0
+            and target.control_url is not None
+            and now - target.last_sent >= WAKE_AFTER_IDLE_S
+        ):
+            target.last_sent = now
             self._background_task(self.leases.wake(target.control_url))
 
     async def close(self, grace_s: float = 2.0) -> None:
@@ -862,6 +876,7 @@ class TurnRunner:
             marks=turn if keep and self.limits.enabled else None,
         )
 
+        instance.last_sent = time.monotonic()
         if not turn.stream:
             instance.in_flight += 1
             try:

@@ -136,6 +136,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         within = json.loads(await _read(receive) or b"{}").get("within_ms")
         if within is not None:  # a request said to be on its way
             COUNTS["expected"] = COUNTS.get("expected", 0) + 1
+        else:
+            COUNTS["woken"] = COUNTS.get("woken", 0) + 1
         await _send_json(send, 200, {})
         return
     if path.startswith("/kvturn/leases"):

@@ -426,6 +426,27 @@ def test_a_short_turn_continues_on_the_holder_without_prefill(fake_url: str, str
         assert 'kvturn_kv_bytes_moved_total{plan="decode-local"} 0.0' in metrics
 
 
+def test_only_a_decode_idle_for_a_while_is_woken_as_a_turn_starts(fake_url: str) -> None:
+    """An idle decode engine steps 10 ms apart for its first 2 s of idleness and a quarter
+    second apart after: a wake as a turn starts is sent to one that this gateway has sent
+    nothing for a while, not to one it sent a turn a moment ago."""
+    from tests import fake_engine
+
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        decode = gateway.app.state.gateway.runner.decode.instances[0]
+        before = fake_engine.COUNTS.get("woken", 0)
+        assert _chat(gateway.url).status_code == 200
+        _counted("woken", before, "an engine never sent anything was not woken")
+        woken = fake_engine.COUNTS["woken"]
+        for _ in range(3):
+            assert _chat(gateway.url).status_code == 200
+        decode.last_sent -= 5  # as if 5 s had passed since
+        assert _chat(gateway.url).status_code == 200
+        _counted("woken", woken, "an engine idle for 5 s was not woken")
+        assert fake_engine.COUNTS["woken"] == woken + 1  # the 3 turns in between woke nothing
+
+
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith(name + " "):
