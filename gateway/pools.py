@@ -34,7 +34,8 @@ class Instance:
     #: side channel, parallel sizes), asked once and asked again after a failure.
     identity: dict[str, Any] | None = field(default=None, init=False)
     #: When (``time.monotonic()``) this gateway last sent it a turn's request or a wake: an
-    #: engine that busy lately needs no wake (see ``TurnRunner._wake_decode``).
+    #: engine sent one lately has not been idle long enough to need a wake (see
+    #: ``TurnRunner._wake_decode``).
     last_sent: float = field(default=-math.inf, init=False)
 
     def __post_init__(self) -> None:
