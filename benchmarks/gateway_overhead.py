@@ -350,8 +350,7 @@ def main() -> int:
                 results[(stream, concurrency)] = found
                 print(f"stream={stream} c={concurrency}: {found}", flush=True)
     took = time.monotonic() - started
-    servers = {"fake": fake, "gateway": gateway, "router": router, "redis": gateway_redis,
-               "untracked": untracked}  # fmt: skip
+    servers = {"fake": fake, "gateway": gateway, "router": router, "redis": gateway_redis}
     write_results(args, results, counts, rounds, took, servers, with_router, with_redis)
     write_untracked_results(args.out, results, untracked, with_router)
     if asgi_servers:

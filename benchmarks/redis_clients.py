@@ -121,6 +121,10 @@ async def connect(client: str, port: int) -> tuple[Call, Callable[[], Awaitable[
     return call_glide, g.close
 
 
+# The helpers of benchmarks/_pair.py (a server until it answers, CPU of a process tree) are not
+# used here: they import httpx, which the clients' virtualenv does not have.
+
+
 def cpu_seconds(pid: int | None = None) -> float:
     """CPU seconds (user and system, all threads) of this process, or of ``pid``."""
     if pid is None:

@@ -1009,7 +1009,7 @@ class TurnRunner:
         findable_first = after.marked
         try:
             if findable_first:
-                await self._findable(after)
+                await self._findable(after, taken.conversation)
             if after.marking is not None:
                 with contextlib.suppress(StateUnavailable):
                     await after.marking
@@ -1070,16 +1070,15 @@ class TurnRunner:
             # Always recorded, KV or none: the mark of a reply under way comes off with it.
             await self._record(taken, held)
             if not findable_first:
-                await self._findable(after)
+                await self._findable(after, taken.conversation)
             if after.prefilled.uncounted is not None:
                 await self._count_after(after.prefilled, after.decode_url)
 
-    async def _findable(self, after: _After) -> None:
+    async def _findable(self, after: _After, conversation: Conversation) -> None:
         """An implicit conversation's next turn starts with this turn's messages and reply:
         index the conversation by them."""
-        if after.implicit is None or after.reply is None or after.taken is None:
+        if after.implicit is None or after.reply is None:
             return
-        conversation = after.taken.conversation
         with contextlib.suppress(StateUnavailable):
             await self.implicit.record(
                 extend(after.implicit, after.reply),
