@@ -24,6 +24,12 @@ loop in process):
   otherwise the caller frees the KV it holds. An older holder the record replaces is returned,
   for the caller to free.
 
+A new conversation that nobody can name yet (an implicit one, :mod:`.implicit`, whose key the
+gateway just drew) takes nothing: its turn starts with :func:`fresh_turn`, no call, and its
+first write (its reply's settling mark, or its record) makes the entry. A record can also make
+the conversation findable by its messages in the same step (``findable``): with Redis a new
+implicit conversation's non-streamed turn is one round trip, not three.
+
 A Redis that cannot be reached raises :class:`~.response_store.StateUnavailable`; the turn
 path treats that as "nothing known" and recomputes (see :mod:`.turns`), so no turn fails
 because Redis is down, and reuse resumes with the first turn recorded after it is back.
@@ -43,6 +49,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvturn.gateway.implicit import ImplicitIndex, Index, RedisImplicitIndex
 from kvturn.gateway.response_store import StateUnavailable, uses_redis
 
 logger = logging.getLogger("kvturn.gateway.state")
@@ -103,6 +110,14 @@ class Taken:
     turn: int
     #: Whether the client's turn id repeats the previous turn's (an SDK retry).
     retry: bool
+    #: The entry is not in the table yet (:func:`fresh_turn`): the turn's first write makes it.
+    fresh: bool = False
+
+
+def fresh_turn(key: str, conversation_id: str) -> Taken:
+    """Turn 1 of a conversation whose key was just drawn, so that no table holds it and no
+    other turn can name it: there is nothing to take, and no call is made."""
+    return Taken(Conversation(key, conversation_id, turns=1), 1, False, fresh=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +157,41 @@ class ConversationTable(Protocol):
         ``wait_s``: a record that never comes, from a gateway that died, is not waited for)."""
         ...
 
-    def settling(self, key: str, turn: int) -> Awaitable[None] | None:
-        """The turn's reply is under way: next turns wait for its record a while. Done at
-        once, or under way (the awaitable) where it needs a round trip."""
+    #: The implicit conversations' index (:mod:`.implicit`), kept where the table is.
+    implicit: Index
 
-    async def record(self, key: str, epoch: int, turn: int, held: Held | None) -> Recorded:
-        """The turn is over: ``held`` is where its KV now lives (``None``: nowhere)."""
+    @property
+    def reachable(self) -> bool:
+        """Whether the table answered its last call (a turn that could skip its call,
+        :func:`fresh_turn`, makes it while not: that is how the table is found back)."""
+        ...
+
+    def settling(
+        self,
+        key: str,
+        turn: int,
+        fresh: Conversation | None = None,
+        findable: tuple[bytes, tuple[str, str]] | None = None,
+    ) -> Awaitable[None] | None:
+        """The turn's reply is under way: next turns wait for its record a while. Done at
+        once, or under way (the awaitable) where it needs a round trip. ``fresh`` and
+        ``findable`` as for :meth:`record`: the mark can be a turn's first write."""
+
+    async def record(
+        self,
+        key: str,
+        epoch: int,
+        turn: int,
+        held: Held | None,
+        *,
+        fresh: Conversation | None = None,
+        findable: tuple[bytes, tuple[str, str]] | None = None,
+    ) -> Recorded:
+        """The turn is over: ``held`` is where its KV now lives (``None``: nowhere).
+        ``fresh``: the entry a :func:`fresh_turn` started, made now if there is none (its
+        first write). ``findable``: a digest of the turn's messages and reply, and the
+        conversation (key, id) to index under it (:meth:`.implicit.Index.record`), in the
+        same step, if its entry exists."""
         ...
 
     async def lookup(self, key: str) -> Conversation | None:
@@ -182,8 +226,13 @@ class ConversationStore:
         self._items: OrderedDict[str, Conversation] = OrderedDict()
         self._max = max_conversations
         self.clock = clock
+        self.implicit: ImplicitIndex = ImplicitIndex(max_conversations)
 
     # ---- the table interface ----------------------------------------------------------------
+
+    @property
+    def reachable(self) -> bool:
+        return True
 
     async def take(
         self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
@@ -200,16 +249,35 @@ class ConversationStore:
         self.forget_kv(conversation)
         return Taken(taken, conversation.turns, retry)
 
-    def settling(self, key: str, turn: int) -> None:
-        conversation = self._items.get(key)
+    def settling(
+        self,
+        key: str,
+        turn: int,
+        fresh: Conversation | None = None,
+        findable: tuple[bytes, tuple[str, str]] | None = None,
+    ) -> None:
+        conversation = self._items.get(key) if fresh is None else self._made(fresh, turn)
+        if findable is not None and conversation is not None:
+            self.implicit.put(*findable)
         if conversation is not None and conversation.recorded_turn < turn:
             if conversation.settling is not None:
                 conversation.settling.set()  # an earlier turn's waiters go on
             conversation.settling_turn = turn
             conversation.settling = asyncio.Event()
 
-    async def record(self, key: str, epoch: int, turn: int, held: Held | None) -> Recorded:
-        conversation = self._items.get(key)
+    async def record(
+        self,
+        key: str,
+        epoch: int,
+        turn: int,
+        held: Held | None,
+        *,
+        fresh: Conversation | None = None,
+        findable: tuple[bytes, tuple[str, str]] | None = None,
+    ) -> Recorded:
+        conversation = self._items.get(key) if fresh is None else self._made(fresh, turn)
+        if findable is not None and conversation is not None:
+            self.implicit.put(*findable)
         if conversation is None or conversation.epoch != epoch:
             return Recorded(held is None)
         if conversation.settling_turn and conversation.settling_turn <= turn:
@@ -302,6 +370,15 @@ class ConversationStore:
     def peek(self, key: str) -> Conversation | None:
         """The entry, without marking it recently used."""
         return self._items.get(key)
+
+    def _made(self, fresh: Conversation, turn: int) -> Conversation:
+        """The entry a :func:`fresh_turn` started, made if there is none."""
+        conversation = self._items.get(fresh.key)
+        if conversation is None:
+            conversation = self.get_or_create(fresh.key, fresh.conversation_id)
+            conversation.epoch = fresh.epoch
+            conversation.turns = turn
+        return conversation
 
     def get_or_create(self, key: str, conversation_id: str | None = None) -> Conversation:
         """The entry under ``key`` (tenant-scoped), made for ``conversation_id`` (the client's
@@ -410,40 +487,71 @@ table.insert(entry, retry)
 return entry
 """
 
-# KEYS: entry. ARGV: turn, now.
-_SETTLING = """
+# The writes below share these: make the entry a fresh turn started (its conversation id,
+# '': not fresh), if there is none; index it by a turn's messages (the implicit index's key,
+# '': none), if it exists.
+_MAKE = """
+local function make(h, seen, cid, epoch, turn, now, ttl)
+  if cid ~= '' and redis.call('EXISTS', h) == 0 then
+    redis.call('HSET', h, 'cid', cid, 'epoch', epoch, 'turns', turn, 'recorded', 0,
+               'retries', 0, 'heartbeats', 0, 'seen', now)
+    redis.call('PEXPIRE', h, ttl)
+    redis.call('ZADD', seen, now, h)
+  end
+end
+local function index(h, key, value, ttl)
+  if key ~= '' and redis.call('EXISTS', h) == 1 then
+    redis.call('SET', key, value, 'PX', ttl)
+  end
+end
+"""
+
+# KEYS: entry, entry index, implicit index key. ARGV: turn, now, ttl ms, a fresh turn's
+# conversation id, its epoch, the implicit index's value.
+_SETTLING = (
+    _MAKE
+    + """
 local h = KEYS[1]
+make(h, KEYS[2], ARGV[4], ARGV[5], ARGV[1], ARGV[2], ARGV[3])
+index(h, KEYS[3], ARGV[6], ARGV[3])
 local recorded = redis.call('HGET', h, 'recorded')
 if recorded and tonumber(recorded) < tonumber(ARGV[1]) then
   redis.call('HSET', h, 'settling', ARGV[1], 'settling_at', ARGV[2])
 end
 return 0
 """
+)
 
-# KEYS: entry, live-lease index. ARGV: epoch, turn, ttl ms, now, then (when something is held)
-# holder, request id, tokens, digest, digest tokens, salt, expires at, prompt mark.
-# Returns {kept (0/1), replaced holder, replaced request id}.
-_RECORD = """
+# KEYS: entry, live-lease index, entry index, implicit index key ('': none). ARGV: epoch,
+# turn, ttl ms, now, a fresh turn's conversation id ('': not fresh), the implicit index's
+# value, then (when something is held) holder, request id, tokens, digest, digest tokens,
+# salt, expires at, prompt mark. Returns {kept (0/1), replaced holder, replaced request id}.
+_RECORD = (
+    _MAKE
+    + """
 local h = KEYS[1]
+make(h, KEYS[3], ARGV[5], ARGV[1], ARGV[2], ARGV[4], ARGV[3])
+index(h, KEYS[4], ARGV[6], ARGV[3])
 local cur = redis.call('HMGET', h, 'epoch', 'recorded', 'holder', 'rid', 'settling')
 if cur[1] ~= ARGV[1] then
-  if #ARGV > 4 then return {0} end
+  if #ARGV > 6 then return {0} end
   return {1}
 end
 local turn = tonumber(ARGV[2])
 if cur[5] and tonumber(cur[5]) <= turn then
   redis.call('HDEL', h, 'settling', 'settling_at')
 end
-if #ARGV == 4 then return {1} end
+if #ARGV == 6 then return {1} end
 if tonumber(cur[2]) > turn then return {0} end
-redis.call('HSET', h, 'recorded', turn, 'holder', ARGV[5], 'rid', ARGV[6], 'held', ARGV[7],
-           'digest', ARGV[8], 'dtok', ARGV[9], 'salt', ARGV[10], 'expires', ARGV[11],
-           'mark', ARGV[12], 'seen', ARGV[4])
+redis.call('HSET', h, 'recorded', turn, 'holder', ARGV[7], 'rid', ARGV[8], 'held', ARGV[9],
+           'digest', ARGV[10], 'dtok', ARGV[11], 'salt', ARGV[12], 'expires', ARGV[13],
+           'mark', ARGV[14], 'seen', ARGV[4])
 redis.call('PEXPIRE', h, ARGV[3])
-redis.call('ZADD', KEYS[2], ARGV[11], h)
-if cur[3] and cur[4] and cur[4] ~= ARGV[6] then return {1, cur[3], cur[4]} end
+redis.call('ZADD', KEYS[2], ARGV[13], h)
+if cur[3] and cur[4] and cur[4] ~= ARGV[8] then return {1, cur[3], cur[4]} end
 return {1}
 """
+)
 
 # KEYS: entry, entry index. ARGV: now, ttl ms.
 _LOOKUP = """
@@ -525,6 +633,7 @@ class RedisConversations:
         self._lookup = self._redis.register_script(_LOOKUP)
         self._renewed = self._redis.register_script(_RENEWED)
         self._remove = self._redis.register_script(_REMOVE)
+        self.implicit = RedisImplicitIndex(self)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}conv:{key}"
@@ -549,6 +658,10 @@ class RedisConversations:
                 error,
             )
         return StateUnavailable("the gateway's state store is unavailable")
+
+    @property
+    def reachable(self) -> bool:
+        return self._down_since is None
 
     def succeeded(self) -> None:
         if self._down_since is not None:
@@ -580,13 +693,46 @@ class RedisConversations:
         conversation = _conversation(key, fields)
         return Taken(conversation, conversation.turns, fields.get("retry") == "1")
 
-    def settling(self, key: str, turn: int) -> Awaitable[None]:
-        call = self._call("settling", self._settling, (self._key(key),), (turn, self.clock()))
+    def settling(
+        self,
+        key: str,
+        turn: int,
+        fresh: Conversation | None = None,
+        findable: tuple[bytes, tuple[str, str]] | None = None,
+    ) -> Awaitable[None]:
+        index_key, index_value = self.implicit.item(*findable) if findable else ("", b"")
+        args = (
+            turn,
+            self.clock(),
+            self.ttl_ms,
+            fresh.conversation_id if fresh is not None else "",
+            fresh.epoch if fresh is not None else "",
+            index_value,
+        )
+        keys = (self._key(key), self._seen, index_key)
+        call = self._call("settling", self._settling, keys, args)
         return asyncio.get_running_loop().create_task(call)
 
-    async def record(self, key: str, epoch: int, turn: int, held: Held | None) -> Recorded:
+    async def record(
+        self,
+        key: str,
+        epoch: int,
+        turn: int,
+        held: Held | None,
+        *,
+        fresh: Conversation | None = None,
+        findable: tuple[bytes, tuple[str, str]] | None = None,
+    ) -> Recorded:
         now = self.clock()
-        args: list[Any] = [epoch, turn, self.ttl_ms, now]
+        index_key, index_value = self.implicit.item(*findable) if findable else ("", b"")
+        args: list[Any] = [
+            epoch,
+            turn,
+            self.ttl_ms,
+            now,
+            fresh.conversation_id if fresh is not None else "",
+            index_value,
+        ]
         if held is not None:
             args += [
                 held.holder_url,
@@ -598,7 +744,8 @@ class RedisConversations:
                 now + held.lease_expires_in_s,
                 held.held_prompt_mark or "",
             ]
-        raw = await self._call("record", self._record, (self._key(key), self._live), args)
+        keys = (self._key(key), self._live, self._seen, index_key)
+        raw = await self._call("record", self._record, keys, args)
         kept = bool(int(raw[0]))
         replaced = (_text(raw[1]), _text(raw[2])) if len(raw) == 3 else None
         return Recorded(kept, replaced)

@@ -150,6 +150,11 @@ class ImplicitIndex:
         return None
 
     async def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
+        self.put(digest, conversation)
+
+    def put(self, digest: bytes, conversation: tuple[str, str]) -> None:
+        """:meth:`record`, in the caller's step (the in-process table records and indexes
+        in one)."""
         self._items[digest] = conversation
         self._items.move_to_end(digest)
         while len(self._items) > self._max:
@@ -185,11 +190,13 @@ class RedisImplicitIndex:
                 return str(key), str(conversation_id)
         return None
 
+    def item(self, digest: bytes, conversation: tuple[str, str]) -> tuple[str, bytes]:
+        """The key and value :meth:`record` sets (the table's record sets them too)."""
+        return self.prefix + digest.hex(), orjson.dumps(list(conversation))
+
     async def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
         try:
-            await self._redis.set(
-                self.prefix + digest.hex(), orjson.dumps(list(conversation)), px=self.ttl_ms
-            )
+            await self._redis.set(*self.item(digest, conversation), px=self.ttl_ms)
         except self.table.errors as error:
             raise self.table.failed("implicit_record", error) from None
         self.table.succeeded()

@@ -28,16 +28,14 @@ from kvturn.gateway.conversations import (
     ConversationTable,
     Held,
     Recorded,
-    RedisConversations,
     Taken,
+    fresh_turn,
     salt_digest,
 )
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
 from kvturn.gateway.extension import BOUNDARY_TOKENS, new_tokens_bound, prompt_mark
 from kvturn.gateway.implicit import (
-    ImplicitIndex,
     Index,
-    RedisImplicitIndex,
     ReplyCollector,
     extend,
     message_digests,
@@ -222,11 +220,7 @@ class TurnRunner:
             stall_weight=config.local_stall_weight,
             preference=config.local_preference,
         )
-        self.implicit: Index
-        if isinstance(store, RedisConversations):
-            self.implicit = RedisImplicitIndex(store)
-        else:
-            self.implicit = ImplicitIndex(config.max_conversations)
+        self.implicit: Index = store.implicit
         self._background: set[asyncio.Task[None]] = set()
         #: Turns this process served (its share under several workers; /kvturn/status).
         self.turns_served = 0
@@ -250,16 +244,21 @@ class TurnRunner:
             )
         taken: Taken | None = None
         try:
-            named: tuple[str, str] | None = None
+            named: tuple[str, str, bool] | None = None
             if turn.conversation_id:
-                named = scoped_key(turn.tenant, turn.conversation_id), turn.conversation_id
+                key = scoped_key(turn.tenant, turn.conversation_id)
+                named = key, turn.conversation_id, False
             elif self.config.implicit_conversations:
                 named = await self._implicit_conversation(turn)
             if named is not None:
-                key, conversation_id = named
-                # The previous turn's KV location may still be being recorded: wait briefly.
-                wait_s = self.config.publish_wait_s
-                taken = await self.store.take(key, conversation_id, turn.turn_id, wait_s)
+                key, conversation_id, new = named
+                if new and self.store.reachable:
+                    taken = fresh_turn(key, conversation_id)  # nothing to take
+                else:
+                    # The previous turn's KV location may still be being recorded: wait
+                    # briefly.
+                    wait_s = self.config.publish_wait_s
+                    taken = await self.store.take(key, conversation_id, turn.turn_id, wait_s)
         except StateUnavailable:
             # Nothing is known, nothing will be recorded: the turn recomputes and its decode
             # keeps no KV (no conversation to lease it to).
@@ -270,9 +269,10 @@ class TurnRunner:
                 self.metrics.turn_retries.inc()
         return await self._serve(turn, taken)
 
-    async def _implicit_conversation(self, turn: Turn) -> tuple[str, str] | None:
+    async def _implicit_conversation(self, turn: Turn) -> tuple[str, str, bool] | None:
         """The conversation (key, id) a chat request without an id continues, found by its
-        messages (see :mod:`.implicit`), or a new one that its next turn can find."""
+        messages (see :mod:`.implicit`), or a new one that its next turn can find (and
+        whether it is new: a key just drawn, in no table yet)."""
         messages = turn.body.get("messages")
         if turn.path != CHAT_PATH or not isinstance(messages, list) or not messages:
             return None
@@ -287,11 +287,10 @@ class TurnRunner:
         if found is not None:
             key, conversation_id = found
             self.metrics.implicit_by["matched"].inc()
-        else:
-            conversation_id = f"implicit-{os.urandom(12).hex()}"
-            key = scoped_key(turn.tenant, conversation_id)
-            self.metrics.implicit_by["new"].inc()
-        return key, conversation_id
+            return key, conversation_id, False
+        conversation_id = f"implicit-{os.urandom(12).hex()}"
+        self.metrics.implicit_by["new"].inc()
+        return scoped_key(turn.tenant, conversation_id), conversation_id, True
 
     async def _serve(self, turn: Turn, taken: Taken | None) -> Reply:
         """Plan; then the holder decode alone, or prefill then decode; once more from
@@ -988,10 +987,15 @@ class TurnRunner:
         (a while). Off the response path: :meth:`_settle` waits for it before recording.
         For a reply that is under way (a stream), or whose record must first ask decode where
         its KV stays; a reply recorded as soon as it is complete is not marked: a mark would
-        reach the table no sooner than the record (one call fewer per turn)."""
-        if after.taken is not None:
+        reach the table no sooner than the record (one call fewer per turn). A new
+        conversation's reply is marked as it ends (:meth:`_settle`): nobody can find the
+        conversation before it is indexed by that reply, and one call makes its entry,
+        indexes it and marks it."""
+        taken = after.taken
+        if taken is not None:
             after.marked = True
-            after.marking = self.store.settling(after.taken.conversation.key, after.taken.turn)
+            if not taken.fresh:
+                after.marking = self.store.settling(taken.conversation.key, taken.turn)
 
     def _settle_later(self, after: _After) -> None:
         """Record where the conversation's KV now lives, off the response path."""
@@ -1002,17 +1006,26 @@ class TurnRunner:
         taken, holder, request_id = after.taken, after.holder, after.request_id
         assert taken is not None
         held: Held | None = None
-        # A marked reply's record may take a while: the conversation is made findable by its
-        # messages first thing (its next turn may come any moment now, and then waits for the
-        # record). Otherwise the record comes first, so that the conversation is found only
-        # once its KV is recorded.
-        findable_first = after.marked
+        # An implicit conversation's next turn finds it by this turn's messages and reply.
+        # The record indexes it by them, in the same step: a next turn that comes first
+        # finds it by an older turn's (a prefix of its messages too) and waits for the
+        # record, if the reply was marked; or it finds the conversation only once its KV is
+        # recorded. A new conversation has no older turn: if its record may take a while (a
+        # marked reply), it is indexed now, by the call that makes and marks its entry.
+        findable = self._findable(after, taken.conversation)
         try:
-            if findable_first:
-                await self._findable(after, taken.conversation)
             if after.marking is not None:
                 with contextlib.suppress(StateUnavailable):
                     await after.marking
+            if after.marked and taken.fresh and (holder is not None or findable is not None):
+                conversation = taken.conversation
+                with contextlib.suppress(StateUnavailable):
+                    marking = self.store.settling(
+                        conversation.key, taken.turn, conversation, findable
+                    )
+                    if marking is not None:
+                        await marking
+                findable = None
             retained = after.retained if holder is not None else None
             if retained is None and holder is not None and holder.control_url is not None:
                 retained = await self.leases.published(
@@ -1067,23 +1080,24 @@ class TurnRunner:
                     ),
                 )
         finally:
-            # Always recorded, KV or none: the mark of a reply under way comes off with it.
-            await self._record(taken, held)
-            if not findable_first:
-                await self._findable(after, taken.conversation)
+            # Always recorded, KV or none: the mark of a reply under way comes off with it. A
+            # new conversation's entry is made by its first write (the mark, if there was
+            # one), if there is anything to remember: a first turn that failed leaves none.
+            fresh = taken.fresh and not after.marked and (held is not None or findable is not None)
+            await self._record(taken, held, fresh=fresh, findable=findable)
             if after.prefilled.uncounted is not None:
                 await self._count_after(after.prefilled, after.decode_url)
 
-    async def _findable(self, after: _After, conversation: Conversation) -> None:
+    @staticmethod
+    def _findable(
+        after: _After, conversation: Conversation
+    ) -> tuple[bytes, tuple[str, str]] | None:
         """An implicit conversation's next turn starts with this turn's messages and reply:
-        index the conversation by them."""
+        the digest of them, and the conversation to index under it."""
         if after.implicit is None or after.reply is None:
-            return
-        with contextlib.suppress(StateUnavailable):
-            await self.implicit.record(
-                extend(after.implicit, after.reply),
-                (conversation.key, conversation.conversation_id),
-            )
+            return None
+        digest = extend(after.implicit, after.reply)
+        return digest, (conversation.key, conversation.conversation_id)
 
     async def _count_after(self, prefilled: PrefillResult, decode_url: str) -> None:
         """Count an uncounted turn's prompt now that its reply is over: for the metrics and
@@ -1118,14 +1132,27 @@ class TurnRunner:
                 "verified" if matches else "changed",
             )
 
-    async def _record(self, taken: Taken, held: Held | None) -> None:
-        """Record ``held`` as the conversation's KV; free whatever nobody can come back for:
+    async def _record(
+        self,
+        taken: Taken,
+        held: Held | None,
+        *,
+        fresh: bool = False,
+        findable: tuple[bytes, tuple[str, str]] | None = None,
+    ) -> None:
+        """Record ``held`` as the conversation's KV (``fresh``: making its entry; and
+        ``findable``, indexing it by its messages); free whatever nobody can come back for:
         this turn's KV if a newer turn recorded first, or the conversation was released (or
         the table is unreachable), and the older KV this record replaces."""
         conversation = taken.conversation
         try:
             recorded = await self.store.record(
-                conversation.key, conversation.epoch, taken.turn, held
+                conversation.key,
+                conversation.epoch,
+                taken.turn,
+                held,
+                fresh=conversation if fresh else None,
+                findable=findable,
             )
         except StateUnavailable:
             recorded = Recorded(held is None)

@@ -21,6 +21,7 @@ from kvturn.gateway.conversations import (
     ConversationTable,
     Held,
     RedisConversations,
+    fresh_turn,
 )
 from kvturn.gateway.response_store import StateUnavailable
 from tests.gateway_fixtures import RedisServer, free_port, running_redis
@@ -222,6 +223,62 @@ async def test_a_next_turn_waits_for_a_reply_under_way_and_no_longer(
     started = loop.time()
     await store.take("unknown", "conv", None, wait_s=5.0)  # nothing under way: no wait
     assert loop.time() - started < 1.0
+
+
+async def test_a_new_conversations_first_write_makes_its_entry(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    """A turn of a conversation whose key was just drawn takes nothing (no call): its record
+    makes the entry, and indexes it by its messages in the same step; or, for a reply under
+    way, its mark makes and indexes it, and next turns wait for the record as for any
+    other."""
+    store, _ = table
+    first = fresh_turn("k", "conv")
+    assert first.fresh and first.turn == 1 and await store.lookup("k") is None
+    digest = b"\x01" * 16
+    recorded = await store.record(
+        "k",
+        first.conversation.epoch,
+        first.turn,
+        _held("r1"),
+        fresh=first.conversation,
+        findable=(digest, ("k", "conv")),
+    )
+    assert recorded.kept and recorded.replaced is None
+    assert await store.implicit.match([b"\x02" * 16, digest]) == ("k", "conv")
+    second = await store.take("k", "conv", None)
+    assert second.turn == 2 and second.conversation.holder_request_id == "r1"
+    assert second.conversation.conversation_id == "conv"
+    # The mark of a streamed first turn makes the entry; its record (no ``fresh``: the mark
+    # made it) is kept, and a next turn that came meanwhile waited for it.
+    streamed = fresh_turn("s", "streamed")
+    marked = (b"\x04" * 16, ("s", "streamed"))
+    marking = store.settling("s", streamed.turn, streamed.conversation, marked)
+    if marking is not None:
+        await marking
+    assert await store.implicit.match([marked[0]]) == ("s", "streamed")
+
+    async def record_soon() -> None:
+        await asyncio.sleep(0.1)
+        await store.record("s", streamed.conversation.epoch, streamed.turn, _held("rs"))
+
+    recording = asyncio.create_task(record_soon())
+    taken = await store.take("s", "streamed", None, wait_s=5.0)
+    await recording
+    assert taken.turn == 2 and taken.conversation.holder_request_id == "rs"
+    # A fresh record finds an entry made since under another epoch (released and made anew):
+    # not kept, and nothing else changed.
+    again = fresh_turn("k", "conv")
+    refused = await store.record(
+        "k", again.conversation.epoch, again.turn, _held("stale"), fresh=again.conversation
+    )
+    assert not refused.kept
+    assert (await store.lookup("k")).turns == 2  # type: ignore[union-attr]
+    # Nothing to index where there is no entry (the conversation was released).
+    await store.remove("k")
+    await store.record("k", 7, 3, None, findable=(b"\x03" * 16, ("k", "conv")))
+    assert await store.implicit.match([b"\x03" * 16]) is None
+    assert await store.counts() == (1, 0)  # "s", made by its mark (its KV taken by turn 2)
 
 
 async def test_redis_outage_raises_state_unavailable_quickly() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -335,39 +336,77 @@ def test_only_histories_with_a_reply_are_looked_up(fake_url: str) -> None:
 def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
     fake_url: str, stream: bool
 ) -> None:
-    """A stream is marked as under way when it starts, and its conversation is made findable
-    by its messages before the record (which waits for decode to say where the KV stays): a
-    next turn that comes meanwhile finds it and waits for the record. A non-streamed reply
-    says where its KV stays: recorded at once, with no mark (one table call fewer), and
-    findable only once recorded."""
+    """A stream is marked as under way when it starts: a next turn that comes before its
+    record (which waits for decode to say where the KV stays) waits for it. A non-streamed
+    reply says where its KV stays: recorded at once, with no mark. Either way the record
+    indexes the conversation by the turn's messages and reply, in the same call (a next turn
+    that comes first finds it by the older turn's, and waits if it was marked). A new
+    conversation takes nothing (its key was just drawn), and nobody can find it before it is
+    indexed: its first write makes the entry, indexes it, and marks a stream, as the stream
+    ends. One table call for a new conversation's non-streamed turn, two for a streamed one
+    (Redis had three and four)."""
     config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
     with running_gateway(config) as gateway:
         runner = gateway.app.state.gateway.runner
         calls: list[str] = []
 
         def noted(name: str, call: Any) -> Any:
-            def note(*args: Any) -> Any:
-                calls.append(name)
-                return call(*args)
+            def note(*args: Any, **kwargs: Any) -> Any:
+                fresh = args[2] if name == "mark" and args[2:] else kwargs.get("fresh")
+                findable = args[3] if name == "mark" and args[3:] else kwargs.get("findable")
+                made = " made" if fresh is not None else ""
+                indexed = " indexed" if findable is not None else ""
+                calls.append(name + made + indexed)
+                return call(*args, **kwargs)
 
             return note
 
+        runner.store.take = noted("take", runner.store.take)
         runner.store.settling = noted("mark", runner.store.settling)
         runner.store.record = noted("record", runner.store.record)
         runner.implicit.record = noted("findable", runner.implicit.record)
         messages = [{"role": "user", "content": f"marked while streamed? {stream}"}]
-        first = httpx.post(
-            gateway.url + "/v1/chat/completions", json={**_chat_body(messages), "stream": stream}
-        )
+        body = {**_chat_body(messages), "stream": stream}
+        first = httpx.post(gateway.url + "/v1/chat/completions", json=body)
         assert first.status_code == 200
-        _until(lambda: len(calls) == (3 if stream else 2), f"recorded: {calls}")
-        assert calls == (["mark", "findable", "record"] if stream else ["record", "findable"])
-        if not stream:
+        _until(lambda: len(calls) == (2 if stream else 1), f"recorded: {calls}")
+        assert calls == (["mark made indexed", "record"] if stream else ["record made indexed"])
+        conversation = first.headers["x-conversation-id"]
+        entry = runner.store.peek(conversation)
+        assert entry is not None and entry.turns == 1 and entry.holder_url == fake_url
+        if stream:
+            reply = {"role": "assistant", "content": _streamed_text(first.text)}
+        else:
             reply = first.json()["choices"][0]["message"]
-            messages = [*messages, reply, {"role": "user", "content": "and?"}]
-            second = httpx.post(gateway.url + "/v1/chat/completions", json=_chat_body(messages))
-            assert second.headers["x-conversation-id"] == first.headers["x-conversation-id"]
-            assert second.headers["x-kvturn-plan"] == "decode-local"
+        calls.clear()
+        messages = [*messages, reply, {"role": "user", "content": "and?"}]
+        second = httpx.post(gateway.url + "/v1/chat/completions", json=_chat_body(messages))
+        assert second.headers["x-conversation-id"] == conversation
+        assert second.headers["x-kvturn-plan"] == "decode-local"
+        _until(lambda: len(calls) == 2, f"recorded: {calls}")
+        assert calls == ["take", "record indexed"]
+        reply = second.json()["choices"][0]["message"]
+        calls.clear()
+        messages = [*messages, reply, {"role": "user", "content": "and then?"}]
+        third = httpx.post(
+            gateway.url + "/v1/chat/completions", json={**body, "messages": messages}
+        )
+        assert third.headers["x-conversation-id"] == conversation
+        _until(lambda: len(calls) == (3 if stream else 2), f"recorded: {calls}")
+        assert calls == (
+            ["take", "mark", "record indexed"] if stream else ["take", "record indexed"]
+        )
+        assert runner.store.peek(conversation).turns == 3
+
+
+def _streamed_text(sse: str) -> str:
+    """The content of a streamed chat reply, from its SSE text."""
+    parts = []
+    for line in sse.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices") or ():
+                parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
 
 
 def _chat_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
