@@ -136,7 +136,7 @@ async def _read(client: HttpClient, url: str, body: bytes, headers: dict[str, st
 async def call(client: HttpClient, kind: str, stream: bool, i: int) -> float:
     if kind == "direct":
         return await one_direct(client, stream)
-    cid = f"bench-{i % 64}" if kind == "gateway+cid" else None
+    cid = f"bench-{i % 64}" if kind.endswith("+cid") else None
     return await one_routed(client, PORTS[kind.split("+")[0]], stream, cid)
 
 
