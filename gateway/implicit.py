@@ -120,13 +120,13 @@ def seed(tenant: str, model: Any, cache_salt: Any = None) -> str:
 
 class Index(Protocol):
     """Digest of a recent turn's messages plus reply → the conversation (its key in the
-    table, its id)."""
+    table, its id). Written by the table, with the turn's record or mark (the ``findable``
+    of :meth:`~.conversations.ConversationTable.record`), so that a conversation is indexed
+    only where its entry exists."""
 
     async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
         """The conversation of the recorded turn that the longest prefix of ``digests`` ends."""
         ...
-
-    async def record(self, digest: bytes, conversation: tuple[str, str]) -> None: ...
 
     def size(self) -> int | None:
         """Turns remembered (``None``: not counted here)."""
@@ -149,12 +149,8 @@ class ImplicitIndex:
                 return found
         return None
 
-    async def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
-        self.put(digest, conversation)
-
     def put(self, digest: bytes, conversation: tuple[str, str]) -> None:
-        """:meth:`record`, in the caller's step (the in-process table records and indexes
-        in one)."""
+        """Index ``conversation`` under ``digest`` (the in-process table's record and mark)."""
         self._items[digest] = conversation
         self._items.move_to_end(digest)
         while len(self._items) > self._max:
@@ -173,7 +169,6 @@ class RedisImplicitIndex:
     def __init__(self, table: RedisConversations):
         self.table = table
         self._redis = table.redis
-        self.ttl_ms = table.ttl_ms
         self.prefix = f"{table.prefix}implicit:"
 
     async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
@@ -191,15 +186,9 @@ class RedisImplicitIndex:
         return None
 
     def item(self, digest: bytes, conversation: tuple[str, str]) -> tuple[str, bytes]:
-        """The key and value :meth:`record` sets (the table's record sets them too)."""
+        """The key and value that index ``conversation`` under ``digest`` (the table's record
+        and mark set them, in their own scripts)."""
         return self.prefix + digest.hex(), orjson.dumps(list(conversation))
-
-    async def record(self, digest: bytes, conversation: tuple[str, str]) -> None:
-        try:
-            await self._redis.set(*self.item(digest, conversation), px=self.ttl_ms)
-        except self.table.errors as error:
-            raise self.table.failed("implicit_record", error) from None
-        self.table.succeeded()
 
     def size(self) -> int | None:
         return None

@@ -36,12 +36,12 @@ from kvturn.gateway.response_store import uses_redis
 logger = logging.getLogger("kvturn.gateway")
 
 #: Container allocations (net) between two young garbage collections; Python's default is 700.
-#: A turn allocates a few hundred, so with many turns in flight a young collection came every
-#: turn or two and found thousands still alive (in-flight turns' bodies, replies, tasks): 7% of
-#: the gateway's CPU in a profile at concurrency 32. Measured (gateway_overhead's fake engine,
-#: concurrency 32, 3 rounds of 15,000 requests without an id, gateway CPU per request): 187 µs
-#: (239 µs streamed) at 700; 178 µs (215 µs) at 7,000; 20,000 and 50,000 no better. Cyclic
-#: garbage waits a little longer: at most this many objects.
+#: At that default, garbage collection took 7% of the gateway's CPU at concurrency 32 (py-spy
+#: with native frames, ``gc_collect_main``): a young collection walks every young object still
+#: alive, and with many turns in flight there are many. Measured (gateway_overhead's fake
+#: engine, concurrency 32, 3 rounds of 15,000 requests without an id, gateway CPU per request):
+#: 187 µs (239 µs streamed) at 700; 178 µs (215 µs) at 7,000; 20,000 and 50,000 no better.
+#: Cyclic garbage waits a little longer: at most this many objects.
 GC_YOUNG_THRESHOLD = 7000
 
 

@@ -364,7 +364,6 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
         runner.store.take = noted("take", runner.store.take)
         runner.store.settling = noted("mark", runner.store.settling)
         runner.store.record = noted("record", runner.store.record)
-        runner.implicit.record = noted("findable", runner.implicit.record)
         messages = [{"role": "user", "content": f"marked while streamed? {stream}"}]
         body = {**_chat_body(messages), "stream": stream}
         first = httpx.post(gateway.url + "/v1/chat/completions", json=body)

@@ -10,10 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
-from kvturn.gateway.conversations import ConversationStore, RedisConversations
+from kvturn.gateway.conversations import ConversationStore, RedisConversations, fresh_turn
 from kvturn.gateway.implicit import (
     ImplicitIndex,
-    RedisImplicitIndex,
     ReplyCollector,
     extend,
     message_digests,
@@ -251,14 +250,20 @@ CALL = {
 async def test_a_resent_history_finds_its_conversation_whatever_the_client_reformatted(
     where: str, request: pytest.FixtureRequest
 ) -> None:
-    index: Any = ImplicitIndex(100)
+    table: Any = ConversationStore(100)
     if where == "redis":
         server = request.getfixturevalue("redis_server")
         table = RedisConversations(server.url, idle_s=60, prefix=f"t{uuid.uuid4().hex}:")
-        index = RedisImplicitIndex(table)
+    index = table.implicit
     s = seed("tenant", "tiny")
     turn1 = [SYSTEM, USER]
-    await index.record(extend(message_digests(s, turn1)[-1], CALL), ("key-1", "implicit-1"))
+    # Indexed as the gateway indexes a new conversation's streamed turn: by the mark that
+    # makes its entry, as the reply ends.
+    first = fresh_turn("key-1", "implicit-1")
+    findable = (extend(message_digests(s, turn1)[-1], CALL), ("key-1", "implicit-1"))
+    marking = table.settling("key-1", first.turn, first.conversation, findable)
+    if marking is not None:
+        await marking
     # The framework echoes the reply back with another call id, "" for None, the arguments
     # re-serialised, and SDK-only fields.
     echoed = {
@@ -289,13 +294,13 @@ async def test_branches_of_a_conversation_both_find_it_and_the_index_is_bounded(
     s = seed("", "tiny")
     reply = {"role": "assistant", "content": "Hello."}
     base = [USER]
-    await index.record(extend(message_digests(s, base)[-1], reply), ("k", "c"))
+    index.put(extend(message_digests(s, base)[-1], reply), ("k", "c"))
     left = [*base, reply, {"role": "user", "content": "left"}]
     right = [*base, reply, {"role": "user", "content": "right"}]
     assert await index.match(message_digests(s, left)) == ("k", "c")
     assert await index.match(message_digests(s, right)) == ("k", "c")
     for i in range(3):
-        await index.record(bytes([i]) * 16, (f"k{i}", f"c{i}"))
+        index.put(bytes([i]) * 16, (f"k{i}", f"c{i}"))
     assert index.size() == 3
     assert await index.match(message_digests(s, left)) is None  # the oldest entry went
 
@@ -380,7 +385,7 @@ async def test_a_changed_cache_salt_never_reuses() -> None:
     # Implicit conversations: another salt is another conversation.
     index = ImplicitIndex(10)
     turn = [USER, {"role": "assistant", "content": "Sunny."}]
-    await index.record(message_digests(seed("", "tiny", "alpha"), turn)[-1], ("k", "c"))
+    index.put(message_digests(seed("", "tiny", "alpha"), turn)[-1], ("k", "c"))
     resent = [*turn, {"role": "user", "content": "And tomorrow?"}]
     assert await index.match(message_digests(seed("", "tiny", "alpha"), resent)) == ("k", "c")
     assert await index.match(message_digests(seed("", "tiny", "beta"), resent)) is None
