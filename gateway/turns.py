@@ -1014,18 +1014,15 @@ class TurnRunner:
         # marked reply), it is indexed now, by the call that makes and marks its entry.
         findable = self._findable(after, taken.conversation)
         try:
+            if after.marked and taken.fresh and (holder is not None or findable is not None):
+                conversation = taken.conversation
+                after.marking = self.store.settling(
+                    conversation.key, taken.turn, conversation, findable
+                )
+                findable = None
             if after.marking is not None:
                 with contextlib.suppress(StateUnavailable):
                     await after.marking
-            if after.marked and taken.fresh and (holder is not None or findable is not None):
-                conversation = taken.conversation
-                with contextlib.suppress(StateUnavailable):
-                    marking = self.store.settling(
-                        conversation.key, taken.turn, conversation, findable
-                    )
-                    if marking is not None:
-                        await marking
-                findable = None
             retained = after.retained if holder is not None else None
             if retained is None and holder is not None and holder.control_url is not None:
                 retained = await self.leases.published(
