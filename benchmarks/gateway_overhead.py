@@ -23,7 +23,9 @@ gateway app is also served whole by maintained ASGI servers (``benchmarks/asgi_g
 uvicorn with httptools, uvicorn with h11, and granian if it is installed
 (``.venv/bin/pip install granian==2.8.7``; not a kvturn dependency). With --workers N, the
 gateway also runs as N worker processes on one port sharing one Redis table (``kvturn serve
---workers N --state redis://…``), which is how it uses more than one core. Results:
+--workers N --state redis://…``), which is how it uses more than one core. With Redis,
+concurrency 1 runs once more paced (the load generator idle between requests): what a turn
+waits for Redis, apart from the CPU its calls take from the next request. Results:
 benchmarks/results/gateway_overhead.md.
 """
 
@@ -67,6 +69,9 @@ WORKERS_KIND, WORKERS_PORT = "gateway-workers", 29009
 #: tracked by nothing (vllm-router's work), beside the default that tracks it.
 UNTRACKED_KIND, UNTRACKED_PORT = "gateway-untracked", 29010
 LEVELS = (1, 32, 256)
+#: Concurrency 1 once more with the load generator idle this long after each request: what
+#: Redis costs a turn with the machine's cores free (see write_paced_results).
+PACED_GAP_S = 0.002
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
 PREFILL = PREFILL_FOR_REMOTE_DECODE
 PORTS = {
@@ -150,9 +155,12 @@ def summary(latencies: list[float], rps: float) -> dict[str, Any]:
     }
 
 
-async def sequential(kinds: list[str], stream: bool, n: int) -> dict[str, dict[str, Any]]:
+async def sequential(
+    kinds: list[str], stream: bool, n: int, gap_s: float = 0.0
+) -> dict[str, dict[str, Any]]:
     """Concurrency 1, the kinds interleaved request by request (rotating which goes first), so
-    that a slow moment of this shared machine lands on all of them alike."""
+    that a slow moment of this shared machine lands on all of them alike; ``gap_s`` idle after
+    each request (req/s is still 1 / mean latency)."""
     client = HttpClient(timeout_s=60)
     latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
@@ -163,6 +171,8 @@ async def sequential(kinds: list[str], stream: bool, n: int) -> dict[str, dict[s
             for j in range(len(kinds)):
                 kind = kinds[(i + j) % len(kinds)]
                 latencies[kind].append(await call(client, kind, stream, i))
+                if gap_s:
+                    await asyncio.sleep(gap_s)
     finally:
         await client.close()
     return {k: summary(v, len(v) / sum(v)) for k, v in latencies.items()}
@@ -349,6 +359,14 @@ def main() -> int:
                     found = uvloop.run(concurrent(kinds, stream, concurrency, n, rounds, pids))
                 results[(stream, concurrency)] = found
                 print(f"stream={stream} c={concurrency}: {found}", flush=True)
+        paced: dict[bool, dict[str, dict[str, Any]]] = {}
+        if with_redis:
+            for stream in (False, True):
+                compared = ["direct", "gateway", "gateway-redis", *with_cid]
+                paced[stream] = uvloop.run(
+                    sequential(compared, stream, counts[1] // 3, PACED_GAP_S)
+                )
+                print(f"stream={stream} c=1 paced: {paced[stream]}", flush=True)
     took = time.monotonic() - started
     servers = {"fake": fake, "gateway": gateway, "router": router, "redis": gateway_redis}
     write_results(args, results, counts, rounds, took, servers, with_router, with_redis)
@@ -358,6 +376,8 @@ def main() -> int:
     if workers:
         write_worker_results(args.out, results, workers, args.workers)
     write_cpu_results(args.out, results)
+    if paced:
+        write_paced_results(args.out, results, paced, counts[1] // 3)
     return 0
 
 
@@ -436,6 +456,51 @@ def write_worker_results(
     measured = results[(False, 1)]
     kinds = [k for k in ("gateway", "gateway-redis", WORKERS_KIND, "router") if k in measured]
     _append_added_table(out, results, intro, kinds)
+
+
+def write_paced_results(
+    out: Path,
+    results: dict[tuple[bool, int], dict[str, dict[str, Any]]],
+    paced: dict[bool, dict[str, dict[str, Any]]],
+    n: int,
+) -> None:
+    """Redis against in process at concurrency 1: back to back (the rows above) and paced."""
+    lines = [
+        "",
+        "## What Redis costs a turn at concurrency 1, back to back and paced (same run)",
+        "",
+        "Added p50 of the gateway with its table in Redis and of the gateway with it in "
+        "process, and the difference, for requests with and without `X-Conversation-Id`. Back "
+        "to back: the concurrency-1 rows above, each request sent as the previous one (of "
+        "whichever kind) ends. Paced: the same kinds once more, "
+        f"{n} requests each, interleaved the same way, the load generator idle "
+        f"{PACED_GAP_S * 1000:.0f} ms after each request. Back to back, the work a request "
+        "leaves running after its reply (a Redis gateway's record: its Redis client and "
+        "redis-server) competes with the next request for the two cores, shared by four busy "
+        "processes; paced, most of it is done before the next request starts. Either way a "
+        "turn with an id waits for its take before prefill: one round trip to Redis.",
+        "",
+        "| streamed | id | back to back: in process | Redis | Redis minus in process "
+        "| paced: in process | Redis | Redis minus in process |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for stream, found in paced.items():
+        back = results[(stream, 1)]
+        for cid in ("", "+cid"):
+            inproc, redis = "gateway" + cid, "gateway-redis" + cid
+            if redis not in found:
+                continue
+            cells = []
+            for run in (back, found):
+                a = run[inproc]["p50_ms"] - run["direct"]["p50_ms"]
+                b = run[redis]["p50_ms"] - run["direct"]["p50_ms"]
+                cells.append(f"{a:+.3f} | {b:+.3f} | {b - a:+.3f}")
+            lines.append(
+                f"| {'yes' if stream else 'no'} | {'yes' if cid else 'no'} | {' | '.join(cells)} |"
+            )
+    with out.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def write_cpu_results(
