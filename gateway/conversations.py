@@ -190,7 +190,7 @@ class ConversationTable(Protocol):
         """The turn is over: ``held`` is where its KV now lives (``None``: nowhere).
         ``fresh``: the entry a :func:`fresh_turn` started, made now if there is none (its
         first write). ``findable``: a digest of the turn's messages and reply, and the
-        conversation (key, id) to index under it (:meth:`.implicit.Index.record`), in the
+        conversation (key, id) to index under it (the table's :attr:`implicit` index), in the
         same step, if its entry exists."""
         ...
 
@@ -256,9 +256,7 @@ class ConversationStore:
         fresh: Conversation | None = None,
         findable: tuple[bytes, tuple[str, str]] | None = None,
     ) -> None:
-        conversation = self._items.get(key) if fresh is None else self._made(fresh, turn)
-        if findable is not None and conversation is not None:
-            self.implicit.put(*findable)
+        conversation = self._written(key, turn, fresh, findable)
         if conversation is not None and conversation.recorded_turn < turn:
             if conversation.settling is not None:
                 conversation.settling.set()  # an earlier turn's waiters go on
@@ -275,9 +273,7 @@ class ConversationStore:
         fresh: Conversation | None = None,
         findable: tuple[bytes, tuple[str, str]] | None = None,
     ) -> Recorded:
-        conversation = self._items.get(key) if fresh is None else self._made(fresh, turn)
-        if findable is not None and conversation is not None:
-            self.implicit.put(*findable)
+        conversation = self._written(key, turn, fresh, findable)
         if conversation is None or conversation.epoch != epoch:
             return Recorded(held is None)
         if conversation.settling_turn and conversation.settling_turn <= turn:
@@ -371,13 +367,23 @@ class ConversationStore:
         """The entry, without marking it recently used."""
         return self._items.get(key)
 
-    def _made(self, fresh: Conversation, turn: int) -> Conversation:
-        """The entry a :func:`fresh_turn` started, made if there is none."""
-        conversation = self._items.get(fresh.key)
-        if conversation is None:
+    def _written(
+        self,
+        key: str,
+        turn: int,
+        fresh: Conversation | None,
+        findable: tuple[bytes, tuple[str, str]] | None,
+    ) -> Conversation | None:
+        """The entry a write (a mark or a record) goes to: for ``fresh``, the one a
+        :func:`fresh_turn` started, made if there is none; indexed by ``findable`` if it
+        exists (what the Redis scripts' ``make`` and ``index`` do)."""
+        conversation = self._items.get(key)
+        if conversation is None and fresh is not None:
             conversation = self.get_or_create(fresh.key, fresh.conversation_id)
             conversation.epoch = fresh.epoch
             conversation.turns = turn
+        if findable is not None and conversation is not None:
+            self.implicit.put(*findable)
         return conversation
 
     def get_or_create(self, key: str, conversation_id: str | None = None) -> Conversation:
