@@ -83,8 +83,14 @@ def local_pair(
     lease_s: float | None = None,
     decode_kv_blocks: int | None = None,
     transfer: str = "pull",
+    prefill_prefix_cache: bool = False,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[dict]:
-    """Run ``kvturn up`` (engines + gateway) for the block; yields its state (URLs, pids)."""
+    """Run ``kvturn up`` (engines + gateway) for the block; yields its state (URLs, pids).
+
+    Prefill runs without a prefix cache unless ``prefill_prefix_cache``: the benchmarks
+    written before it was on by default measure a prefill pool that holds nothing of a
+    conversation (their recompute modes recompute), and keep doing so."""
     work = Path(tempfile.mkdtemp(prefix="kvturn-bench-"))
     state_file = work / "state.json"
     log = open(work / "up.log", "wb")  # noqa: SIM115
@@ -94,7 +100,8 @@ def local_pair(
          "--kv-cache-gb", str(kv_cache_gb), "--transfer", transfer,
          "--log-dir", str(work / "logs"), "--state-file", str(state_file),
          *(["--lease-s", str(lease_s)] if lease_s is not None else []),
-         *(["--decode-kv-blocks", str(decode_kv_blocks)] if decode_kv_blocks else [])],
+         *(["--decode-kv-blocks", str(decode_kv_blocks)] if decode_kv_blocks else []),
+         *([] if prefill_prefix_cache else ["--no-prefill-prefix-cache"]), *extra_args],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

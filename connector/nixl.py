@@ -20,7 +20,8 @@ transfer lives in :class:`KvturnConnectorBase`, which the push connector
   onto its clock and frees the blocks when it passes): the upstream reaping path, only steered.
   ``decoder_kv_blocks_ttl`` is the longest lease. Requests that carry no ``kvturn_conversation``
   key at all (another proxy drives the engine) keep upstream's semantics: a fixed TTL
-  (``kvturn_lease_s`` if given, else ``decoder_kv_blocks_ttl``), never reclaimed. Each
+  (``kvturn_lease_s`` if given, else ``decoder_kv_blocks_ttl``), never reclaimed; with
+  ``kvturn_retain_untracked: false`` they keep nothing, as in plain P/D. Each
   retained turn's params get chained digests of the token ids its blocks hold, and are served
   on the kvturn control server (``kvturn_control_port`` in ``kv_connector_extra_config``), so
   the gateway learns them even for streamed responses, which carry none in vLLM 0.32.
@@ -155,6 +156,9 @@ class KvturnConnectorBase(NixlBaseConnector):
         )
         # Decode requests that finished without a conversation: blocks freed, not retained.
         self._not_retained: set[str] = set()
+        #: Whether a request no kvturn gateway sent (no ``kvturn_conversation`` key) keeps its
+        #: KV for the fixed TTL, as upstream's bidirectional connector does.
+        self._retain_untracked = bool(extra.get("kvturn_retain_untracked", True))
         # Decode-local turns scheduled this step (see update_state_after_alloc).
         self._local: set[str] = set()
         # Waiting decode requests asked for their blocks this step: request id -> blocks.
@@ -420,8 +424,10 @@ class KvturnConnector(KvturnConnectorBase, NixlConnector):
         if not (delay_free and params and params.get("do_remote_decode")):
             return delay_free, params
         sent = request.kv_transfer_params or {}
-        if CONVERSATION_KEY in sent and not sent[CONVERSATION_KEY]:
-            # The gateway says no turn will come back for this KV: free it now. NIXL's worker
+        untracked = CONVERSATION_KEY not in sent and not self._retain_untracked
+        if untracked or (CONVERSATION_KEY in sent and not sent[CONVERSATION_KEY]):
+            # The gateway says no turn will come back for this KV (or no gateway sent it, and
+            # the engine keeps only what a gateway tracks): free it now. NIXL's worker
             # still expects the request; build_connector_meta tells it not to wait.
             self._not_retained.add(request.request_id)
             self.leases.counters.not_retained += 1

@@ -67,6 +67,7 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
         decoder_kv_blocks_ttl_s=args.kv_ttl,
         kv_recompute_threshold=args.recompute_threshold,
         push_registration_timeout_s=args.push_registration_timeout,
+        retain_untracked=args.retain_untracked,
     )
     specs = plan_specs(
         model,
@@ -78,22 +79,23 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
         prefill_prefix_caching=args.prefill_prefix_cache,
         kv_cache_gb=args.kv_cache_gb,
     )
-    blocks = getattr(args, "decode_kv_blocks", None)
-    if blocks:
-        # A small decode KV cache, to see retention under memory pressure: vLLM's block-count
-        # override; a request must fit, so the decode's context shrinks with it (vLLM-CPU
-        # blocks hold 128 tokens, and vLLM keeps one block as its null block).
-        specs = [
-            replace(
-                spec,
-                max_model_len=min(spec.max_model_len, (blocks - 1) * CPU_BLOCK_TOKENS),
-                extra_args=(*spec.extra_args, "--num-gpu-blocks-override", str(blocks)),
-            )
-            if spec.role == "decode"
-            else spec
-            for spec in specs
-        ]
-    return specs
+    caps = {
+        "prefill": getattr(args, "prefill_kv_blocks", None),
+        "decode": getattr(args, "decode_kv_blocks", None),
+    }
+    # A small KV cache, to see retention and eviction under memory pressure: vLLM's
+    # block-count override; a request must fit, so the engine's context shrinks with it
+    # (vLLM-CPU blocks hold 128 tokens, and vLLM keeps one block as its null block).
+    return [
+        replace(
+            spec,
+            max_model_len=min(spec.max_model_len, (blocks - 1) * CPU_BLOCK_TOKENS),
+            extra_args=(*spec.extra_args, "--num-gpu-blocks-override", str(blocks)),
+        )
+        if (blocks := caps.get(spec.role))
+        else spec
+        for spec in specs
+    ]
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
@@ -122,15 +124,15 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
             decoder_kv_blocks_ttl_s=args.kv_ttl,
             kv_recompute_threshold=args.recompute_threshold,
             push_registration_timeout_s=args.push_registration_timeout,
+            retain_untracked=args.retain_untracked,
         ),
         dtype=args.dtype or ("float32" if ours else "auto"),
         # A model id resolved on the engine's own host: vLLM's default length (the model's).
         max_model_len=args.max_model_len
         or (min(20480, max_positions(model)) if (model / "config.json").exists() else 0),
         kv_cache_gb=args.kv_cache_gb,
-        # Prefill pools rarely still hold a conversation's prefix (see plan_specs); decode's
-        # prefix cache serves decode-local turns.
-        prefix_caching=role == "decode",
+        # vLLM's default on both roles (see plan_specs); decode's serves decode-local turns.
+        prefix_caching=role == "decode" or args.prefix_cache,
         # kvturn's test models need its chat template and tool parser; other models bring
         # their own (pass their engine flags after --).
         kvturn_chat_template=ours,
@@ -369,13 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--recompute-threshold", type=int, default=64, help="min tokens to pull")
     up.add_argument(
         "--prefill-prefix-cache",
-        action="store_true",
-        help="let prefill engines keep a prefix cache (off: measure what a busy pool sees)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's prefix cache on prefill engines (on, vLLM's default; --no-prefill-prefix-"
+        "cache: measure what a prefill pool that holds nothing of a conversation sees)",
     )
     up.add_argument("--kv-cache-gb", type=int, default=2, help="KV cache per engine, GiB")
     up.add_argument(
         "--decode-kv-blocks", type=int, default=None,
         help="cap each decode's KV cache at this many blocks (to study memory pressure)",
+    )  # fmt: skip
+    up.add_argument(
+        "--prefill-kv-blocks", type=int, default=None,
+        help="cap each prefill's KV cache at this many blocks (to study memory pressure)",
+    )  # fmt: skip
+    up.add_argument(
+        "--retain-untracked", action=argparse.BooleanOptionalAction, default=True,
+        help="decode: keep the KV of requests no kvturn gateway sent (another proxy's) for "
+        "--kv-ttl, as upstream's bidirectional NixlConnector does (off: free it at once)",
     )  # fmt: skip
     up.add_argument("--log-dir", default=None, help="engine logs (default $KVTURN_HOME/logs)")
     up.add_argument("--state-file", default=None, help="write URLs and pids here when ready")
@@ -471,6 +484,15 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--kv-cache-gb", type=int, default=2, help="CPU KV cache, GiB")
     eng.add_argument("--kv-ttl", type=int, default=480, help="longest decode lease, seconds")
+    eng.add_argument(
+        "--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+        help="vLLM's prefix cache on a prefill engine (a decode always keeps it)",
+    )  # fmt: skip
+    eng.add_argument(
+        "--retain-untracked", action=argparse.BooleanOptionalAction, default=True,
+        help="decode: keep the KV of requests no kvturn gateway sent (another proxy's) for "
+        "--kv-ttl, as upstream's bidirectional NixlConnector does (off: free it at once)",
+    )  # fmt: skip
     eng.add_argument("--recompute-threshold", type=int, default=64, help="min tokens to pull")
     eng.add_argument("--print", action="store_true", help="print the command, do not run it")
     eng.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then vLLM's own flags")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -56,15 +57,31 @@ class Pool:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances if i.healthy]
 
-    def choose(self, prefer: str | None = None, exclude: Instance | None = None) -> Instance:
+    def choose(
+        self, prefer: str | None = None, exclude: Instance | None = None, slack: int = 0
+    ) -> Instance:
+        """The least loaded healthy instance, or ``prefer`` while it serves at most ``slack``
+        requests more than that one."""
         candidates = [i for i in self.instances if i.healthy and i is not exclude]
         if not candidates:
             raise NoHealthyEngine(f"no healthy {self.role} engine")
         preferred = self._by_url.get(prefer) if prefer else None
         best = min(candidates, key=lambda i: i.in_flight)
-        if preferred in candidates and preferred.in_flight <= best.in_flight:
+        if preferred in candidates and preferred.in_flight <= best.in_flight + slack:
             return preferred
         return best
+
+    def affine(self, key: bytes) -> str | None:
+        """The instance ``key`` belongs to by rendezvous hashing over every instance, healthy
+        or not (so a key's instance changes only when that one leaves the pool's list, and
+        keys spread evenly): where a conversation's earlier prompts went, and so where a
+        prefix cache may still hold them. ``None`` for an empty pool."""
+        if not self.instances:
+            return None
+        return max(
+            self.instances,
+            key=lambda i: hashlib.blake2b(key, key=i.url.encode()[:64], digest_size=8).digest(),
+        ).url
 
 
 async def check_health_forever(

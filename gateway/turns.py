@@ -87,6 +87,10 @@ LOCAL_ARRIVAL_MS = 50
 #: its short phase (half of it: a margin), and a turn's decode request, sent after prefill,
 #: would sit out a short wait with or without a wake.
 WAKE_AFTER_IDLE_S = 1.0
+#: How many requests more than the least loaded prefill a turn's affine prefill may be serving
+#: and still get it (:meth:`TurnRunner._choose_prefill`): a prefix-cache hit saves most of a
+#: prefill, a queue of two is a fraction of one.
+PREFILL_AFFINITY_SLACK = 2
 LEASE_PARAM = "kvturn_lease_s"
 PAUSE_PARAM = "kvturn_pause"
 #: Why the holder had no lease to claim → the turn's fallback reason.
@@ -385,7 +389,7 @@ class TurnRunner:
         self, turn: Turn, taken: Taken | None, plan: TurnPlan, avoid: Instance | None
     ) -> Reply:
         try:
-            prefill = self.prefill.choose()
+            prefill = self._choose_prefill(turn)
         except NoHealthyEngine:
             return await self._decode_alone(turn, taken, "no-prefill", avoid)
         assert prefill.control_url is not None  # GatewayConfig checks it for push
@@ -679,7 +683,7 @@ class TurnRunner:
         digest = conversation.held_digest
         digest_tokens = conversation.held_digest_tokens
         try:
-            prefill_url = self.prefill.choose().url
+            prefill_url = self._choose_prefill(turn).url
         except NoHealthyEngine:
             prefill_url = ""
         bound = None
@@ -722,6 +726,26 @@ class TurnRunner:
         )
         return choose_reuse(inputs, limits, self.costs), 0 if ids is None else len(ids), None
 
+    def _choose_prefill(self, turn: Turn, exclude: Instance | None = None) -> Instance:
+        """The prefill for a turn: the one its conversation's prompts have gone to (so its
+        prefix cache may still hold them), unless that one serves more than
+        :data:`PREFILL_AFFINITY_SLACK` requests more than the least loaded.
+
+        A chat turn is placed by the digest of its first two messages (the system prompt and
+        the first user message, with the tenant, model and cache salt): stable for every turn
+        of a conversation, shared by a fork or subagent that starts from the same messages,
+        and spread across conversations that share only a system prompt (each prefill then
+        computes that prompt once). Other requests by their conversation id, if any."""
+        key: bytes | None = None
+        if len(self.prefill.instances) > 1:
+            digests = turn.message_digests()
+            if digests:
+                key = digests[min(1, len(digests) - 1)]
+            elif turn.conversation_id:
+                key = f"{turn.tenant}\0{turn.conversation_id}".encode()
+        prefer = self.prefill.affine(key) if key is not None else None
+        return self.prefill.choose(prefer, exclude=exclude, slack=PREFILL_AFFINITY_SLACK)
+
     def _counter(self, holder: Instance) -> Instance:
         """Where to count a prompt's tokens: an idle prefill engine if there is one (every
         engine renders the same template with the same tokenizer), else the holder. The holder
@@ -742,7 +766,7 @@ class TurnRunner:
         while True:
             attempts += 1
             try:
-                instance = self.prefill.choose(exclude=tried)
+                instance = self._choose_prefill(turn, exclude=tried)
             except NoHealthyEngine:
                 if tried is None:
                     raise
@@ -784,7 +808,10 @@ class TurnRunner:
         usage = data.get("usage") or {}
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
         reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        self.costs.observe_prefill(instance.url, prompt_tokens - reused, reused, finished - started)
+        # Cached tokens are prefill's own prefix-cache hits, plus what it pulled if it pulled:
+        # a turn that did not pull computed only the rest, and says nothing of a pull's cost.
+        pulled = reused if plan.pulls else 0
+        self.costs.observe_prefill(instance.url, prompt_tokens - reused, pulled, finished - started)
         if plan.pulls and reused == 0:
             plan = TurnPlan("recompute", "no-common-prefix")
             self.metrics.fallbacks_by[plan.reason].inc()

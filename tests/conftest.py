@@ -105,6 +105,10 @@ def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
         "--log-dir", str(work / "logs"),
         "--state-file", str(state_file),
         "--port", str(TEST_GATEWAY_PORT),
+        # Prefill holds nothing of a conversation: the engine tests prove a pull by the bytes
+        # NIXL moved (a prefix cache would serve part of it), and every reference answer is
+        # the prefill engine's own, computed from scratch. `kvturn up` keeps it on by default.
+        "--no-prefill-prefix-cache",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

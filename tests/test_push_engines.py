@@ -105,6 +105,8 @@ def push_engines(
         base_port=PUSH_BASE_PORT,
         kv=kv,
         served_model_name=local_pair.model,
+        # As the session's pull pair runs (tests/conftest.py): the two are compared.
+        prefill_prefix_caching=False,
     )
     deployment = start_engines(specs, tmp_path_factory.mktemp("push") / "logs", timeout_s=900)
     try:

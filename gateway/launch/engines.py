@@ -53,6 +53,10 @@ class KVSettings:
     push_registration_timeout_s: int = 60
     kv_recompute_threshold: int = 64
     nixl_progress_delay_us: int = 1000
+    #: Decode: keep the KV of requests that no kvturn gateway sent (another proxy drives the
+    #: engine) for ``decoder_kv_blocks_ttl_s``, as upstream's bidirectional connector does;
+    #: off, such requests keep nothing, as in plain P/D.
+    retain_untracked: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class EngineSpec:
         }
         if push:
             extra["push_registration_timeout"] = self.kv.push_registration_timeout_s
+        if not self.kv.retain_untracked:
+            extra["kvturn_retain_untracked"] = False
         if self.device == "cpu":
             extra["kvturn_nixl_progress_delay_us"] = self.kv.nixl_progress_delay_us
         if self.control_port:
@@ -378,15 +384,17 @@ def plan_specs(
     base_port: int = 8100,
     kv: KVSettings | None = None,
     served_model_name: str | None = None,
-    prefill_prefix_caching: bool = False,
+    prefill_prefix_caching: bool = True,
     **spec_kwargs: object,
 ) -> list[EngineSpec]:
     """Engine specs for a pool: ports counted up from ``base_port``, cores round-robin.
 
-    Prefill engines run without a prefix cache by default: a prefill pool that serves many
-    conversations rarely still holds this one's prefix, so that is the case kvturn is measured
-    on (as in AWS's bidirectional benchmark). Decode engines keep theirs: it is what lets a
-    conversation continue on its holder decode.
+    Every engine keeps vLLM's prefix cache, as vLLM does by default: on prefill it serves what
+    the engine still holds of a conversation (or a prompt shared across conversations), and a
+    pull from the holder decode fetches only what it lacks (NixlConnector pulls from past the
+    locally computed tokens); on decode it is what lets a conversation continue on its holder.
+    ``prefill_prefix_caching=False`` turns it off on prefill, to measure what a prefill pool
+    that holds nothing of a conversation sees.
     """
     kv = kv or KVSettings()
     spec_kwargs.setdefault("max_model_len", min(20480, max_positions(model)))

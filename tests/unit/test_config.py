@@ -97,6 +97,45 @@ def test_push_needs_each_prefills_control_url() -> None:
     assert args.transfer == "push" and args.prefill_control == ["http://pc"]
 
 
+def test_up_starts_prefill_with_vllms_prefix_cache(tmp_path: Path) -> None:
+    """``kvturn up`` starts every engine as vLLM does by default, prefix cache on; the switch
+    turns it off on prefill only (decode-local turns need decode's)."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    prefill, decode = engine_specs(build_parser().parse_args(["up"]), tmp_path, "m")
+    assert prefill.prefix_caching and decode.prefix_caching
+    assert "--no-enable-prefix-caching" not in prefill.command()
+    args = build_parser().parse_args(["up", "--no-prefill-prefix-cache"])
+    prefill, decode = engine_specs(args, tmp_path, "m")
+    assert "--no-enable-prefix-caching" in prefill.command()
+    assert "--no-enable-prefix-caching" not in decode.command()
+
+
+def test_up_can_free_the_kv_of_requests_no_gateway_sent(tmp_path: Path) -> None:
+    """By default a decode keeps another proxy's requests' KV for the TTL (upstream's
+    bidirectional semantics); ``--no-retain-untracked`` tells its connector to keep none."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+
+    def extra(argv: list[str]) -> dict[str, object]:
+        decode = engine_specs(build_parser().parse_args(["up", *argv]), tmp_path, "m")[1]
+        command = decode.command()
+        return json.loads(command[command.index("--kv-transfer-config") + 1])[
+            "kv_connector_extra_config"
+        ]
+
+    assert "kvturn_retain_untracked" not in extra([])
+    assert extra(["--no-retain-untracked"])["kvturn_retain_untracked"] is False
+
+
+def test_prefill_kv_blocks_caps_only_the_prefills(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 20480}))
+    args = build_parser().parse_args(["up", "--prefill-kv-blocks", "30"])
+    prefill, decode = engine_specs(args, tmp_path, "m")
+    assert "--num-gpu-blocks-override" not in decode.command()
+    command = prefill.command()
+    assert command[command.index("--num-gpu-blocks-override") + 1] == "30"
+    assert command[command.index("--max-model-len") + 1] == str(29 * 128)
+
+
 def test_decode_kv_blocks_caps_only_the_decodes(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 20480}))
     args = build_parser().parse_args(["up", "--decode-kv-blocks", "40"])
@@ -291,7 +330,11 @@ def test_kvturn_engine_runs_an_engine_on_its_hosts_address(
     assert config["kv_buffer_device"] == "cuda" and config["kv_role"] == "kv_producer"
     assert "kvturn_nixl_progress_delay_us" not in config["kv_connector_extra_config"]
     assert "kvturn_control_port" not in config["kv_connector_extra_config"]
-    assert "VLLM_CPU_KVCACHE_SPACE" not in env and "--no-enable-prefix-caching" in command
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    # A prefill keeps vLLM's prefix cache unless told not to.
+    assert "--no-enable-prefix-caching" not in command
+    off = engine_spec(build_parser().parse_args([*argv, str(tmp_path), "--no-prefix-cache"]))
+    assert "--no-enable-prefix-caching" in off.command()
 
     # Push mode: a prefill has a control server too (its NIXL identity, for the gateway).
     argv = ["engine", "--role", "prefill", "--model", str(tmp_path), "--host", "10.0.0.1",

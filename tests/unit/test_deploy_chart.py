@@ -48,7 +48,7 @@ VARIANT: dict[str, Any] = {
         "gpusPerEngine": 2,
         "extraArgs": ["--tensor-parallel-size", "2"],
     },
-    "prefill": {"replicas": 2},
+    "prefill": {"replicas": 2, "prefixCaching": False},
     "decode": {"replicas": 3, "extraArgs": ["--max-num-seqs", "64"]},
     "redis": {"enabled": False, "url": "redis://redis.shared.svc.cluster.local:6379/3"},
     "gateway": {
@@ -326,6 +326,18 @@ def test_gateway_probes_scrape_annotations_and_service(rendered: Rendered) -> No
 # ---- the engines run as kvturn runs them ----------------------------------------------------
 
 
+def test_prefill_keeps_vllms_prefix_cache_unless_turned_off(chart: helm_python.Chart) -> None:
+    """Prefill engines start as vLLM does by default, prefix cache on (issue: win against what
+    users already run); ``prefill.prefixCaching: false`` turns it off there only."""
+    default = Rendered(chart, {}, "default")
+    for role in ("prefill", "decode"):
+        args = _container(default.one("StatefulSet", role))["args"]
+        assert "--no-enable-prefix-caching" not in args
+    off = Rendered(chart, {"prefill": {"prefixCaching": False}}, "default")
+    assert "--no-enable-prefix-caching" in _container(off.one("StatefulSet", "prefill"))["args"]
+    assert "--no-enable-prefix-caching" not in _container(off.one("StatefulSet", "decode"))["args"]
+
+
 def test_engines_get_kvturns_connector_config_per_pool(rendered: Rendered) -> None:
     values = rendered.values
     gpu = values["gpu"]
@@ -365,8 +377,10 @@ def test_engines_get_kvturns_connector_config_per_pool(rendered: Rendered) -> No
         # The flags the gateway relies on, as the launcher gives them.
         assert "--enable-prompt-tokens-details" in launcher.command()
         assert "--enable-prompt-tokens-details" in args
-        # Prefill without a prefix cache (as kvturn is measured), decode with (decode-local).
-        assert ("--no-enable-prefix-caching" in args) == (role == "prefill")
+        # vLLM's prefix cache on both roles unless prefill's is turned off (the variant);
+        # decode always keeps it (decode-local turns).
+        off = role == "prefill" and not values["prefill"]["prefixCaching"]
+        assert ("--no-enable-prefix-caching" in args) == off
         extra_args = values["engine"]["extraArgs"] + values[role]["extraArgs"]
         assert args[len(args) - len(extra_args) :] == extra_args
 

@@ -25,9 +25,11 @@ def test_plan_gives_each_engine_its_own_ports_and_core(tiny: Path) -> None:
     assert [s.role for s in specs] == ["prefill", "decode", "decode"]
     assert specs[0].cpu != specs[1].cpu
     assert specs[0].control_port == 0 and all(s.control_port for s in specs[1:])
-    # Prefill without a prefix cache (a busy pool's view), decode with one.
-    assert "--no-enable-prefix-caching" in specs[0].command()
-    assert "--no-enable-prefix-caching" not in specs[1].command()
+    # vLLM's prefix cache on every engine, as vLLM starts them; off on prefill only if asked.
+    assert all("--no-enable-prefix-caching" not in s.command() for s in specs)
+    off = plan_specs(tiny, base_port=9100, prefill_prefix_caching=False)
+    assert "--no-enable-prefix-caching" in off[0].command()
+    assert "--no-enable-prefix-caching" not in off[1].command()
 
 
 def test_engines_load_the_kvturn_connector(tiny: Path) -> None:

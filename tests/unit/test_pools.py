@@ -24,6 +24,32 @@ def test_choose_least_loaded_and_prefer_the_holder_on_ties() -> None:
         pool.choose()
 
 
+def test_a_preferred_instance_keeps_its_turns_within_the_slack() -> None:
+    pool = Pool("prefill", endpoints(["http://a", "http://b"]))
+    a, b = pool.instances
+    a.in_flight, b.in_flight = 3, 1
+    assert pool.choose(prefer="http://a", slack=2) is a
+    a.in_flight = 4  # three more than b: load wins
+    assert pool.choose(prefer="http://a", slack=2) is b
+    a.healthy = False
+    assert pool.choose(prefer="http://a", slack=10) is b
+
+
+def test_affinity_is_stable_spread_and_moves_only_the_leavers_keys() -> None:
+    urls = ["http://p0", "http://p1", "http://p2"]
+    pool = Pool("prefill", endpoints(urls))
+    keys = [f"conversation {i}".encode() for i in range(300)]
+    placed = {key: pool.affine(key) for key in keys}
+    assert placed == {key: pool.affine(key) for key in keys}  # stable
+    counts = [list(placed.values()).count(url) for url in urls]
+    assert min(counts) > 60, counts  # spread (100 each on average)
+    smaller = Pool("prefill", endpoints(urls[:2]))
+    for key, url in placed.items():
+        if url != "http://p2":  # only the keys of the instance that left move
+            assert smaller.affine(key) == url
+    assert Pool("prefill", []).affine(b"k") is None
+
+
 class FlakyUpstream:
     def __init__(self) -> None:
         self.down: set[str] = {"http://b"}
