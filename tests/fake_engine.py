@@ -198,6 +198,8 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if params.get("do_remote_decode"):
         _PUSHED[request_id] = scope["server"][1] not in LOSE_WRITE_PORTS
         COUNTS["prefill"] += 1
+        where = f"prefill:{scope['server'][1]}"  # which engine (port) prefilled
+        COUNTS[where] = COUNTS.get(where, 0) + 1
         LAST_CACHE_SALT["prefill"] = body.get("cache_salt")
         reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8
         answer = _completion("prefill")

@@ -617,6 +617,53 @@ def test_an_idle_prefill_engine_counts_the_prompt_not_the_holder() -> None:
             assert fake_engine.COUNTS.get(on[holder], 0) == counts.get(on[holder], 0)
 
 
+def test_a_conversations_prefills_go_to_one_engine_and_forks_follow_it() -> None:
+    """With two prefills, every P/D turn of a conversation goes to the same one (its prefix
+    cache may hold the history), a request that starts with the same two messages (a fork, a
+    subagent, under another id or none) goes there too, and conversations spread over both."""
+    from tests import fake_engine
+
+    with running_fake_engine() as p1, running_fake_engine() as p2, running_fake_engine() as d:
+        config = GatewayConfig(
+            prefill=endpoints([p1, p2]), decode=endpoints([d], [d]), decode_local=False
+        )
+        ports = {url.rsplit(":", 1)[1]: url for url in (p1, p2)}
+
+        def served_by(messages: list[dict[str, Any]], **headers: str) -> str:
+            before = {port: fake_engine.COUNTS.get(f"prefill:{port}", 0) for port in ports}
+            response = httpx.post(
+                gateway.url + "/v1/chat/completions",
+                json={"model": "fake", "messages": messages},
+                headers=headers,
+            )
+            assert response.status_code == 200, response.text
+            moved = [p for p in ports if fake_engine.COUNTS.get(f"prefill:{p}", 0) > before[p]]
+            assert len(moved) == 1, moved
+            return ports[moved[0]]
+
+        with running_gateway(config) as gateway:
+            placed = {}
+            for n in range(12):
+                history = [
+                    {"role": "system", "content": "You are a careful agent."},
+                    {"role": "user", "content": f"task {n}"},
+                ]
+                first = served_by(history, **{"X-Conversation-Id": f"c{n}"})
+                for turn in range(2):
+                    history += [
+                        {"role": "assistant", "content": f"step {turn}"},
+                        {"role": "user", "content": f"tool result {turn}"},
+                    ]
+                    assert served_by(history, **{"X-Conversation-Id": f"c{n}"}) == first
+                # A subagent forked from the conversation's context, with an id of its own
+                # and with none.
+                fork = [*history[:4], {"role": "user", "content": "subtask"}]
+                assert served_by(fork, **{"X-Conversation-Id": f"sub{n}"}) == first
+                assert served_by(fork) == first
+                placed[n] = first
+            assert set(placed.values()) == {p1, p2}  # spread, not all on one
+
+
 def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
     from tests import fake_engine
 

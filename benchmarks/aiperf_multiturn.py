@@ -1,0 +1,555 @@
+"""kvturn beside "vLLM P/D as deployed", measured by AIPerf's synthetic multi-turn workload.
+
+Set-up (AIPerf and vllm-router each pin their own dependencies: a venv each):
+
+    python3.11 -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf==0.13.0
+    python3.11 -m venv .venv-router && .venv-router/bin/pip install vllm-router==0.1.17
+
+Run:
+
+    .venv/bin/python benchmarks/aiperf_multiturn.py                 # every workload, 3 repeats
+    .venv/bin/python benchmarks/aiperf_multiturn.py --workloads roomy --repeats 1
+
+For each workload one deployment is started (``kvturn up``: engines and the gateway) and both
+modes run on those same engine processes, interleaved, each ``--repeats`` times (the order of
+the modes alternates from one repeat to the next):
+
+``vllm-pd``
+    What a vLLM user runs today: P/D with vLLM's prefix cache on every engine, behind
+    vllm-router 0.1.17 in P/D mode (``--vllm-pd-disaggregation``) with its ``consistent_hash``
+    policy, session affinity keyed on ``X-Session-ID``, which AIPerf sends
+    (``--session-header``). Decode keeps nothing of a request once it is done
+    (``kvturn up --no-retain-untracked``: no request of vllm-router's carries a kvturn
+    conversation, and plain P/D has no bidirectional retention); the engines run kvturn's
+    connector only so that its CPU fixes (NIXL's progress thread, core pinning, idle pacing)
+    apply to both modes alike.
+``kvturn``
+    The gateway ``kvturn up`` started, in front of the same engines; the same AIPerf command
+    with the same session header.
+``kvturn-no-id``
+    (some workloads) The same without a session header: kvturn recognises a resent history.
+
+AIPerf runs unmodified (``aiperf profile``), with greedy sampling (``temperature:0``). Every run
+draws its own prompts (its own ``--random-seed``), so no run finds another's prompts in any
+engine's cache; a run's ``job`` time is AIPerf's benchmark duration, the time its agents took to
+finish all their turns. Beside AIPerf's figures, each run's engine counters: prompt tokens each
+engine computed, served from its own prefix cache, or received over NIXL.
+
+Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pair import ROOT, local_pair, server, shown
+
+RESULTS = Path(__file__).parent / "results"
+AIPERF_BIN = ROOT / ".venv-aiperf" / "bin" / "aiperf"
+ROUTER_BIN = ROOT / ".venv-router" / "bin" / "vllm-router"
+ROUTER_PORT = 29300
+GATEWAY_PORT = 28000
+SESSION_HEADER = "X-Session-ID"
+MODES = ("vllm-pd", "kvturn", "kvturn-no-id")
+#: AIPerf's figures a run reports (its ``profile_export_aiperf.json``).
+TTFT, LATENCY = "time_to_first_token", "request_latency"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    what: str
+    conversations: int
+    turns: int
+    delay_ms: int
+    concurrency: int
+    shared_system: int = 1000
+    user_context: int = 1500
+    isl: int = 300
+    osl: int = 24
+    prefill: int = 1
+    decode: int = 1
+    #: KV blocks (128 tokens each) per engine; None: the whole ``kv_cache_gb``.
+    prefill_blocks: int | None = None
+    decode_blocks: int | None = None
+    modes: tuple[str, ...] = ("vllm-pd", "kvturn")
+    up_args: tuple[str, ...] = field(default=())
+
+    def aiperf_args(self) -> list[str]:
+        return [
+            "--conversation-num", str(self.conversations),
+            "--num-dataset-entries", str(self.conversations),
+            "--conversation-turn-mean", str(self.turns),
+            "--conversation-turn-stddev", "0",
+            "--conversation-turn-delay-mean", str(self.delay_ms),
+            "--conversation-turn-delay-stddev", str(self.delay_ms // 4),
+            "--shared-system-prompt-length", str(self.shared_system),
+            "--user-context-prompt-length", str(self.user_context),
+            "--isl", str(self.isl), "--isl-stddev", "0",
+            "--osl", str(self.osl), "--osl-stddev", "0",
+            "--concurrency", str(self.concurrency),
+        ]  # fmt: skip
+
+
+#: The issue's four cases where the baseline can lose, and the one where it should not.
+#: Token counts: the tiny model's tokenizer is byte-level; a conversation ends near
+#: shared + context + turns x (isl + osl) tokens.
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload(
+            "roomy",
+            "memory to spare (2 GiB of KV per engine): the issue's first AIPerf run; a "
+            "conversation continues on its decode (decode-local), no transfer",
+            conversations=8,
+            turns=6,
+            delay_ms=1500,
+            concurrency=4,
+            modes=("vllm-pd", "kvturn", "kvturn-no-id"),
+        ),
+        Workload(
+            "beyond-prefill-cache",
+            "working set beyond prefill's cache: 16 conversations of ~4.4k tokens, "
+            "240 blocks (30k tokens) of KV per engine",
+            conversations=16,
+            turns=6,
+            delay_ms=1500,
+            concurrency=6,
+            prefill_blocks=240,
+            decode_blocks=240,
+        ),
+        Workload(
+            "two-prefills",
+            "2 prefills + 1 decode, 160 blocks (20k tokens) per prefill: placement by hash of "
+            "X-Session-ID (vllm-router) against by held KV (kvturn)",
+            conversations=12,
+            turns=6,
+            delay_ms=1500,
+            concurrency=6,
+            prefill=2,
+            prefill_blocks=160,
+            decode_blocks=320,
+        ),
+        Workload(
+            "tool-pauses",
+            "long tool pauses under pressure: 8 s think time, 12 conversations, 200 blocks "
+            "(25k tokens) per engine",
+            conversations=12,
+            turns=5,
+            delay_ms=8000,
+            concurrency=6,
+            prefill_blocks=200,
+            decode_blocks=200,
+        ),
+        Workload(
+            "smoke",
+            "a check that every part runs (not a measurement)",
+            conversations=2,
+            turns=2,
+            delay_ms=200,
+            concurrency=2,
+            modes=("vllm-pd", "kvturn", "kvturn-no-id"),
+        ),
+    )
+}
+#: What the full run measures (``smoke`` only checks the set-up).
+DEFAULT_WORKLOADS = ("roomy", "beyond-prefill-cache", "two-prefills", "tool-pauses")
+
+
+# ---- engine counters ---------------------------------------------------------------------------
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """Every sample of ``name`` in Prometheus text, by its label string."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            head, value = line.rsplit(" ", 1)
+            found[head[len(name) :]] = found.get(head[len(name) :], 0.0) + float(value)
+    return found
+
+
+def engine_counters(urls: list[str]) -> dict[str, float]:
+    """Prompt tokens by where they came from, summed over ``urls``: ``computed`` (local
+    compute), ``cached`` (the engine's own prefix cache), ``received`` (over NIXL)."""
+    totals = {"computed": 0.0, "cached": 0.0, "received": 0.0}
+    keys = {"local_compute": "computed", "local_cache_hit": "cached"}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for labels, value in _samples(text, "vllm:prompt_tokens_by_source_total").items():
+            source = labels.split('source="', 1)[1].split('"', 1)[0] if "source=" in labels else ""
+            totals[keys.get(source, "received")] += value
+    return totals
+
+
+def gateway_plans(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    plans: dict[str, float] = {}
+    for labels, value in _samples(text, "kvturn_turns_total").items():
+        plan = labels.split('plan="', 1)[1].split('"', 1)[0]
+        plans[plan] = plans.get(plan, 0.0) + value
+    return plans
+
+
+def wait_idle(urls: list[str], timeout_s: float = 120) -> None:
+    """Until no engine runs or queues a request (a run's last streams may still be ending)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = 0.0
+        for url in urls:
+            text = httpx.get(f"{url}/metrics", timeout=30).text
+            busy += sum(_samples(text, "vllm:num_requests_running").values())
+            busy += sum(_samples(text, "vllm:num_requests_waiting").values())
+        if busy == 0:
+            return
+        time.sleep(1)
+
+
+# ---- one AIPerf run ----------------------------------------------------------------------------
+
+
+def run_aiperf(
+    workload: Workload,
+    mode: str,
+    url: str,
+    model: str,
+    tokenizer: str,
+    seed: int,
+    out: Path,
+    outputs: bool = False,
+) -> dict[str, Any]:
+    command = [
+        str(AIPERF_BIN), "profile",
+        "--model", model,
+        "--tokenizer", tokenizer,
+        "--url", url,
+        "--endpoint-type", "chat",
+        "--streaming",
+        "--random-seed", str(seed),
+        "--extra-inputs", "temperature:0",
+        "--ui-type", "none",
+        "--artifact-dir", str(out),
+        *workload.aiperf_args(),
+        *(["--session-header", SESSION_HEADER] if mode != "kvturn-no-id" else []),
+        *(["--export-outputs-json"] if outputs else []),
+    ]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=out.parent, capture_output=True, text=True, timeout=3600)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                           f"{done.stderr[-3000:]}")  # fmt: skip
+    exported = next(out.rglob("profile_export_aiperf.json"))
+    data = json.loads(exported.read_text())
+    result = {"command": shown(tuple(command)), "wall_s": wall, "aiperf": data}
+    if outputs:
+        result["outputs"] = answers(out)
+    return result
+
+
+def answers(out: Path) -> dict[tuple[str, int], str]:
+    """Each turn's reply text, by (AIPerf's conversation id, turn index)."""
+    turns: dict[tuple[str, int], str] = {}
+    for record in _records(json.loads(next(out.rglob("outputs.json")).read_text())):
+        meta = record.get("metadata") or record
+        key = (str(meta.get("conversation_id")), int(meta.get("turn_index") or 0))
+        turns[key] = _text(record)
+    return turns
+
+
+def _records(data: Any) -> list[dict[str, Any]]:
+    if isinstance(data, dict):
+        for value in data.values():
+            if isinstance(value, list):
+                return [v for v in value if isinstance(v, dict)]
+        return []
+    return [v for v in data if isinstance(v, dict)]
+
+
+def _text(record: dict[str, Any]) -> str:
+    for key in ("output", "outputs", "text", "response", "generated_text", "responses"):
+        if key in record:
+            value = record[key]
+            return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return json.dumps({k: v for k, v in record.items() if k != "metadata"}, sort_keys=True)
+
+
+def metric(data: dict[str, Any], name: str, stat: str) -> float | None:
+    """One statistic of an AIPerf metric (``avg``, ``p50``, ``p90``...), or None."""
+    records = data.get("records", data)
+    entry = records.get(name) if isinstance(records, dict) else None
+    if isinstance(entry, dict) and stat in entry:
+        return float(entry[stat])
+    return None
+
+
+# ---- one workload ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def router(prefill: list[str], decode: list[str]) -> Any:
+    command = [
+        str(ROUTER_BIN), "--vllm-pd-disaggregation",
+        *[a for url in prefill for a in ("--prefill", url)],
+        *[a for url in decode for a in ("--decode", url)],
+        "--policy", "consistent_hash",
+        "--host", "127.0.0.1", "--port", str(ROUTER_PORT),
+        "--prometheus-port", str(ROUTER_PORT + 91),
+        "--request-timeout-secs", "3600",
+    ]  # fmt: skip
+    with server(*command, port=ROUTER_PORT, env={"OPENAI_API_KEY": ""}) as proc:
+        yield proc, shown(tuple(command))
+
+
+def run_workload(
+    workload: Workload, repeats: int, seed: int, check_answers: bool = False
+) -> dict[str, Any]:
+    up_args = [
+        "--prefill", str(workload.prefill), "--decode", str(workload.decode),
+        "--no-retain-untracked",
+        *(["--prefill-kv-blocks", str(workload.prefill_blocks)] if workload.prefill_blocks else []),
+        *workload.up_args,
+    ]  # fmt: skip
+    runs: list[dict[str, Any]] = []
+    print(f"== {workload.name}: starting engines", flush=True)
+    with (
+        local_pair(
+            gateway_port=GATEWAY_PORT,
+            kv_cache_gb=2,
+            decode_kv_blocks=workload.decode_blocks,
+            prefill_prefix_cache=True,
+            extra_args=tuple(up_args),
+        ) as state,
+        router(state["prefill"], state["decode"]) as (_, router_command),
+    ):
+        engines = state["prefill"] + state["decode"]
+        gateway = str(state["gateway"]).removesuffix("/v1")
+        urls = {"vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}", "kvturn": gateway,
+                "kvturn-no-id": gateway}  # fmt: skip
+        work = Path(tempfile.mkdtemp(prefix=f"kvturn-aiperf-{workload.name}-"))
+        for repeat in range(repeats):
+            order = list(workload.modes) if repeat % 2 == 0 else list(reversed(workload.modes))
+            for mode in order:
+                run_seed = seed + 100 * repeat + MODES.index(mode)
+                wait_idle(engines)
+                before = engine_counters(engines)
+                plans_before = gateway_plans(gateway)
+                print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
+                result = run_aiperf(
+                    workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
+                    run_seed, work / f"{mode}-{repeat}",
+                )  # fmt: skip
+                wait_idle(engines)
+                after = engine_counters(engines)
+                plans_after = gateway_plans(gateway)
+                data = result["aiperf"]
+                run = {
+                    "workload": workload.name,
+                    "mode": mode,
+                    "repeat": repeat,
+                    "seed": run_seed,
+                    "command": result["command"],
+                    "ttft_avg": metric(data, TTFT, "avg"),
+                    "ttft_p50": metric(data, TTFT, "p50"),
+                    "ttft_p90": metric(data, TTFT, "p90"),
+                    "latency_avg": metric(data, LATENCY, "avg"),
+                    "job_s": (metric(data, "benchmark_duration", "avg") or result["wall_s"]),
+                    "requests": metric(data, "request_count", "avg"),
+                    "errors": metric(data, "error_request_count", "avg") or 0.0,
+                    "tokens": {k: after[k] - before[k] for k in after},
+                    "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
+                              if v - plans_before.get(k, 0.0)},
+                }  # fmt: skip
+                runs.append(run)
+                print(
+                    f"     TTFT p50 {run['ttft_p50']} ms p90 {run['ttft_p90']} ms, job "
+                    f"{run['job_s']:.1f} s, tokens {run['tokens']}, plans {run['plans']}",
+                    flush=True,
+                )
+        checked = compare_answers(workload, state, urls, work, seed) if check_answers else None
+    return {
+        "workload": workload.__dict__,
+        "router": router_command,
+        "runs": runs,
+        "answers": checked,
+    }
+
+
+def compare_answers(
+    workload: Workload, state: dict[str, Any], urls: dict[str, str], work: Path, seed: int
+) -> dict[str, Any]:
+    """Every mode on the same prompts (one seed), greedy: kvturn's replies against vllm-pd's.
+    A conversation's later prompts carry its earlier replies, so equal replies mean equal
+    prompts all the way. Prefix caches hold the earlier modes' prompts by then: a cache hit
+    never changes an answer, which is what this checks."""
+    replies: dict[str, dict[tuple[str, int], str]] = {}
+    for mode in workload.modes:
+        wait_idle(state["prefill"] + state["decode"])
+        print(f"   {mode} (answers, seed {seed + 9999})", flush=True)
+        replies[mode] = run_aiperf(
+            workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
+            seed + 9999, work / f"answers-{mode}", outputs=True,
+        )["outputs"]  # fmt: skip
+    base = replies[workload.modes[0]]
+    checked: dict[str, Any] = {"baseline": workload.modes[0], "turns": len(base), "modes": {}}
+    for mode, mine in replies.items():
+        if mode == workload.modes[0]:
+            continue
+        differ = sorted(f"{c}#{t}" for (c, t), text in base.items() if mine.get((c, t)) != text)
+        empty = sum(1 for text in base.values() if not text.strip())
+        checked["modes"][mode] = {"equal": len(base) - len(differ), "differ": differ,
+                                  "empty_in_baseline": empty}  # fmt: skip
+        print(f"     {mode}: {len(base) - len(differ)}/{len(base)} replies equal", flush=True)
+    return checked
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.0f}"
+    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
+def _ratio(kv: list[float], base: list[float]) -> str:
+    """Median ratio, with the range of ratios of every kvturn run to every baseline run: a
+    range that straddles 1.0 is a tie."""
+    if not kv or not base:
+        return "-"
+    ratios = sorted(k / b for k in kv for b in base if b)
+    return (
+        f"{statistics.median(kv) / statistics.median(base):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+    )
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "# kvturn beside vLLM P/D as deployed: AIPerf multi-turn",
+        "",
+        f"Command: `.venv/bin/python benchmarks/aiperf_multiturn.py {' '.join(args.argv)}`",
+        f"Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {os.cpu_count()} cores shared "
+        "by everything below; model: tiny (float32); AIPerf 0.13.0 (unmodified); "
+        f"vllm-router 0.1.17; {args.repeats} repeat(s) per mode, interleaved.",
+        "",
+        "Each cell: median over repeats, (min-max) in brackets. Ratios: kvturn's median over "
+        "the baseline's, (range of every kvturn run over every baseline run); a range that "
+        "contains 1.00 is a tie. TTFT in ms; job = AIPerf's benchmark duration (s), the time "
+        "the workload's agents took to finish. Tokens: prompt tokens the engines computed / "
+        "served from their own prefix cache / received over NIXL, per run (median).",
+        "",
+    ]
+    for result in results:
+        w = result["workload"]
+        runs = result["runs"]
+        lines += [f"## {w['name']}", "", w["what"] + ".", ""]
+        lines += [
+            f"{w['prefill']} prefill + {w['decode']} decode; AIPerf: {w['conversations']} "
+            f"conversations x {w['turns']} turns, {w['delay_ms']} ms think time, "
+            f"{w['shared_system']}-token shared system prompt, {w['user_context']}-token user "
+            f"context, {w['isl']}-token turns, {w['osl']}-token replies, concurrency "
+            f"{w['concurrency']}. Router: `{result['router']}`.",
+            "",
+            "| mode | TTFT p50 | TTFT p90 | TTFT mean | latency mean | job (s) | computed / "
+            "cached / received tokens | plans | errors |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        by_mode: dict[str, list[dict[str, Any]]] = {}
+        for run in runs:
+            by_mode.setdefault(run["mode"], []).append(run)
+        for mode, mine in by_mode.items():
+
+            def col(key: str, mine: list[dict[str, Any]] = mine) -> list[float]:
+                return [r[key] for r in mine if r[key] is not None]
+
+            tokens = " / ".join(
+                f"{statistics.median([r['tokens'][k] for r in mine]) / 1000:.0f}k"
+                for k in ("computed", "cached", "received")
+            )
+            plans: dict[str, float] = {}
+            for r in mine:
+                for plan, n in r["plans"].items():
+                    plans[plan] = plans.get(plan, 0.0) + n / len(mine)
+            shown_plans = ", ".join(f"{p} {n:.0f}" for p, n in sorted(plans.items())) or "-"
+            lines.append(
+                f"| {mode} | {_spread(col('ttft_p50'))} | {_spread(col('ttft_p90'))} | "
+                f"{_spread(col('ttft_avg'))} | {_spread(col('latency_avg'))} | "
+                f"{_spread(col('job_s'))} | {tokens} | {shown_plans} | "
+                f"{sum(col('errors')):.0f} |"
+            )
+        base = by_mode.get("vllm-pd", [])
+        lines += [
+            "",
+            "| kvturn / vllm-pd | TTFT p50 | TTFT p90 | TTFT mean | job |",
+            "|---|---|---|---|---|",
+        ]
+        for mode in ("kvturn", "kvturn-no-id"):
+            mine = by_mode.get(mode, [])
+            if not mine:
+                continue
+            cells = [
+                _ratio([r[k] for r in mine if r[k]], [r[k] for r in base if r[k]])
+                for k in ("ttft_p50", "ttft_p90", "ttft_avg", "job_s")
+            ]
+            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        checked = result.get("answers")
+        if checked:
+            lines.append("")
+            for mode, seen in checked["modes"].items():
+                lines.append(
+                    f"Answers, {mode} against {checked['baseline']} on the same prompts "
+                    f"(greedy): {seen['equal']} of {checked['turns']} replies equal"
+                    + (f"; differing: {', '.join(seen['differ'])}" if seen["differ"] else "")
+                    + f" ({seen['empty_in_baseline']} empty in the baseline too)."
+                )
+        lines += ["", "AIPerf command of the first run: `" + runs[0]["command"] + "`", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "--workloads", default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)}",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--output", default="aiperf_multiturn", help="results file stem")
+    parser.add_argument(
+        "--answers", action="store_true",
+        help="after the timed runs, every mode once more on one seed: are the replies equal?",
+    )  # fmt: skip
+    args = parser.parse_args()
+    args.argv = sys.argv[1:]
+    for tool in (AIPERF_BIN, ROUTER_BIN):
+        if not tool.exists():
+            raise SystemExit(f"{tool} is missing: see this script's docstring for the set-up")
+    results = []
+    for name in args.workloads.split(","):
+        results.append(run_workload(WORKLOADS[name], args.repeats, args.seed, args.answers))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{args.output}.json").write_text(json.dumps(results, indent=1))
+        (RESULTS / f"{args.output}.md").write_text(report(results, args))
+    print((RESULTS / f"{args.output}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
