@@ -68,6 +68,7 @@ from kvturn.kv_params import (
     BLOCK_SIZE_KEY,
     DIGEST_CHUNK_TOKENS,
     KV_BYTES_PER_TOKEN_KEY,
+    MAX_LEASE_KEY,
     PREFIX_DIGESTS_KEY,
     PROMPT_TOKENS_KEY,
     common_prefix_tokens,
@@ -149,6 +150,7 @@ class KvturnConnectorBase(NixlBaseConnector):
         self.leases.engine = {
             BLOCK_SIZE_KEY: self._block_size,
             KV_BYTES_PER_TOKEN_KEY: self._kv_bytes_per_token,
+            MAX_LEASE_KEY: self._ttl_s,
         }
         self._usage = BlockUsage(kv_cache_config.num_blocks)
         self._watermark_blocks = int(

@@ -48,7 +48,7 @@ from kvturn.gateway.tokens import CHAT_PATH
 from kvturn.gateway.turns import Turn, TurnRunner
 from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.validation import check_request
-from kvturn.kv_params import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY
+from kvturn.kv_params import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY, MAX_LEASE_KEY
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -138,6 +138,17 @@ class Gateway:
             if stats:
                 instance.block_size = int(stats.get(BLOCK_SIZE_KEY) or 0)
                 instance.kv_bytes_per_token = int(stats.get(KV_BYTES_PER_TOKEN_KEY) or 0)
+                instance.max_lease_s = float(stats.get(MAX_LEASE_KEY) or 0.0)
+                if 0 < instance.max_lease_s < self.config.lease_s:
+                    logger.warning(
+                        "decode %s grants leases of at most %g s, less than the gateway's "
+                        "lease (%g s): its conversations are told %g s (set --kv-ttl on the "
+                        "engine, or lease_s here, to agree)",
+                        instance.url,
+                        instance.max_lease_s,
+                        self.config.lease_s,
+                        instance.max_lease_s,
+                    )
         return [i.url for i in unknown if not i.kv_bytes_per_token]
 
     async def _sweep_forever(self) -> None:
@@ -328,6 +339,9 @@ def create_app(config: GatewayConfig) -> Starlette:
             remaining = 0.0
             holder = gateway.decode.get(conversation.holder_url)
             lease = conversation.holder_request_id
+            # What the holder grants, not what the gateway would like: a client that beats at
+            # half of a lease the decode cut short would find it lapsed.
+            granted = holder.lease_s(config.lease_s) if holder is not None else config.lease_s
             if holder is not None and holder.control_url is not None and lease:
                 # The lease lives on the holder decode: renew it there.
                 expires_in_s = await gateway.runner.leases.renew(
@@ -345,7 +359,7 @@ def create_app(config: GatewayConfig) -> Starlette:
                 conversation_id=conversation_id,
                 known=True,
                 lease_remaining_s=round(remaining, 3),
-                next_heartbeat_s=config.lease_s / 2,
+                next_heartbeat_s=(min(granted, remaining) if remaining > 0 else granted) / 2,
             )
         return Response(answer.model_dump_json(), media_type="application/json")
 

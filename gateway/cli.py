@@ -98,6 +98,24 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
     ]
 
 
+def up_lease_s(args: argparse.Namespace) -> float | None:
+    """The gateway's lease under ``kvturn up``: ``--lease-s`` (or ``KVTURN_LEASE_S``, or the
+    gateway's default), never longer than the decodes grant (``--kv-ttl``): the gateway tells
+    clients its lease, and they plan their heartbeats from it."""
+    asked = args.lease_s
+    if asked is None:
+        asked = float(os.environ.get("KVTURN_LEASE_S") or GatewayConfig.lease_s)
+    if asked > args.kv_ttl:
+        if args.lease_s is not None:
+            print(
+                f"kvturn: --lease-s {asked:g} exceeds --kv-ttl {args.kv_ttl}, the longest lease "
+                f"a decode grants: the gateway's lease is {args.kv_ttl} s",
+                file=sys.stderr,
+            )
+        return float(args.kv_ttl)
+    return args.lease_s
+
+
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The engine ``kvturn engine`` runs for these arguments."""
     if args.model in MODEL_NAMES or (Path(args.model) / "config.json").exists():
@@ -196,7 +214,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     [e.spec.url for e in deployment.decode],
                     [e.spec.control_url or "" for e in deployment.decode],
                 ),
-                lease_s=args.lease_s,
+                lease_s=up_lease_s(args),
                 reuse_threshold_tokens=args.recompute_threshold,
                 state=args.state,
                 transfer=args.transfer,

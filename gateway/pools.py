@@ -31,6 +31,9 @@ class Instance:
     #: bytes of one token's KV (0 until known).
     block_size: int = field(default=0, init=False)
     kv_bytes_per_token: int = field(default=0, init=False)
+    #: The longest lease its connector grants (seconds; 0 until known): a lease asked for
+    #: longer is cut to it.
+    max_lease_s: float = field(default=0.0, init=False)
     #: Push mode, prefill engines: the NIXL identity its control server reports (engine id,
     #: side channel, parallel sizes), asked once and asked again after a failure.
     identity: dict[str, Any] | None = field(default=None, init=False)
@@ -41,6 +44,10 @@ class Instance:
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or "127.0.0.1"
+
+    def lease_s(self, asked_s: float) -> float:
+        """The lease this decode grants when ``asked_s`` is asked for."""
+        return min(asked_s, self.max_lease_s) if self.max_lease_s > 0 else asked_s
 
 
 class Pool:

@@ -874,7 +874,10 @@ class TurnRunner:
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
         # once: a turn without a conversation never comes back for it).
         params[CONVERSATION_PARAM] = conversation.key if conversation and keep else None
-        params[LEASE_PARAM] = self.config.lease_s
+        # The lease this decode grants (its connector cuts a longer one): the client plans its
+        # heartbeats from what the header says, so it must never say more.
+        lease_s = instance.lease_s(self.config.lease_s)
+        params[LEASE_PARAM] = lease_s
         if turn.pause is not None:
             params[PAUSE_PARAM] = list(turn.pause)
         body["kv_transfer_params"] = params
@@ -886,7 +889,7 @@ class TurnRunner:
         }
         if conversation is not None:
             response_headers[h.CONVERSATION_ID] = conversation.conversation_id
-            response_headers[h.LEASE_SECONDS] = f"{self.config.lease_s:g}"
+            response_headers[h.LEASE_SECONDS] = f"{lease_s:g}"
         url = instance.url + turn.path
         upstream_headers = {"X-Request-Id": request_id}
         after = _After(

@@ -38,6 +38,9 @@ PREFIX_DIGESTS_KEY: Final = "kvturn_prefix_digests"
 BLOCK_SIZE_KEY: Final = "kvturn_block_size"
 #: Bytes one token's KV occupies on the holder (all layers), for "KV bytes moved".
 KV_BYTES_PER_TOKEN_KEY: Final = "kvturn_kv_bytes_per_token"
+#: The longest lease the decode grants (seconds, its ``decoder_kv_blocks_ttl``): a lease asked
+#: for longer is cut to it, so the gateway promises a client no more.
+MAX_LEASE_KEY: Final = "kvturn_max_lease_s"
 #: How many of the retained tokens were the turn's prompt (the rest, its reply): the prefix the
 #: next turn's prompt starts with, unedited.
 PROMPT_TOKENS_KEY: Final = "kvturn_prompt_tokens"

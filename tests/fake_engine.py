@@ -304,13 +304,22 @@ async def _wait_unless_abandoned(seconds: float, receive: Any) -> bool:
     return disconnect.result().get("type") != "http.disconnect"
 
 
+#: The longest lease the fake's "connector" grants (as ``decoder_kv_blocks_ttl``), reported
+#: with its lease stats; None: it reports no engine facts (as before a test sets it).
+MAX_LEASE_S: float | None = None
+
+
 async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None:
     """The connector's lease routes, as far as the gateway's unit tests need them: a claim
     takes the lease (a read frees it), a renew extends it, a DELETE frees it."""
     parts = path.strip("/").split("/")
     method = scope["method"]
     if len(parts) == 2:
-        await _send_json(send, 200, {"leases": len(_RETAINED), "blocks_held": 0, "ended": {}})
+        stats: dict[str, Any] = {"leases": len(_RETAINED), "blocks_held": 0, "ended": {}}
+        if MAX_LEASE_S:  # what a connector says of its engine (see LeaseTable.stats)
+            stats.update(kvturn_block_size=128, kvturn_kv_bytes_per_token=4096,
+                         kvturn_max_lease_s=MAX_LEASE_S)  # fmt: skip
+        await _send_json(send, 200, stats)
         return
     key = parts[2]
     if method == "DELETE":
@@ -326,6 +335,7 @@ async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None
         await _send_json(send, 200, _RETAINED.pop(key))
     else:
         lease_s = float(json.loads(await _read(receive) or b"{}").get("lease_s", 0))
+        lease_s = min(lease_s, MAX_LEASE_S or lease_s)  # as a connector cuts it
         found["expires_in_s"] = max(found["expires_in_s"], lease_s)
         await _send_json(send, 200, {"expires_in_s": lease_s})
 

@@ -345,3 +345,79 @@ def test_memory_pressure_reclaims_by_expected_return(
             assert after.json()["retained"] == before.json()["retained"]
     finally:
         small.stop()
+
+
+#: The longest lease of the short-lease decode below (its ``--kv-ttl``), under the gateway's
+#: default lease (60 s), and a pause that outlives it twice over.
+SHORT_TTL_S = 20
+LONG_PAUSE_S = 50
+
+
+def test_heartbeats_keep_a_lease_the_decode_cut_short(
+    local_pair: LocalPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode that grants leases of at most 20 s (``kvturn up --kv-ttl 20``) behind a gateway
+    whose own lease is its default 60 s: the gateway tells the client 20, kvturn.client beats
+    every 10 s, and after a 50 s tool pause the conversation reuses its KV (a real NIXL read,
+    the same answer as one engine alone); a conversation that sends no heartbeats recomputes.
+    Before, the client was told 60 s and beat first at 30 s, after the decode had freed it."""
+    monkeypatch.setenv("KVTURN_CONTROL_SECRET", local_pair.control_secret)
+    spec = EngineSpec(
+        role="decode",
+        model=Path(str(local_pair.state["model_path"])),
+        served_model_name=local_pair.model,
+        port=TEST_BASE_PORT + 90,
+        side_channel_port=TEST_BASE_PORT + 190,
+        control_port=TEST_BASE_PORT + 290,
+        cpu=1,
+        kv=KVSettings(decoder_kv_blocks_ttl_s=SHORT_TTL_S),
+        max_model_len=4096,
+    )
+    short = EngineProcess(spec, tmp_path / "short-lease-decode.log").start()
+    control = f"http://127.0.0.1:{spec.control_port}"
+    try:
+        wait_until_healthy([short], timeout_s=900)
+        config = GatewayConfig(
+            prefill=endpoints([local_pair.prefill_url]),
+            decode=endpoints([spec.url], [control]),
+            control_secret=local_pair.control_secret,
+            decode_local=False,  # a pull is the evidence: NIXL reads from the decode
+            implicit_conversations=False,
+        )
+        assert config.lease_s > SHORT_TTL_S
+        with running_gateway(config) as gateway:
+            decode = gateway.app.state.gateway.decode.instances[0]
+            deadline = time.monotonic() + 30
+            while decode.max_lease_s != SHORT_TTL_S:
+                assert time.monotonic() < deadline, "the decode's longest lease was never learned"
+                time.sleep(0.2)
+            base = gateway.url + "/v1"
+            beating = KvturnOpenAI(base_url=base, api_key="-", max_retries=0, timeout=300)
+            silent = KvturnOpenAI(base_url=base, api_key="-", max_retries=0, timeout=300,
+                                  heartbeats=False)  # fmt: skip
+            histories: dict[str, list[dict[str, Any]]] = {}
+            for name, client in (("short-beating", beating), ("short-silent", silent)):
+                with client.conversation(name, release=False):
+                    messages = _opening(f"estuaries {name}")
+                    first = run_turn(client, local_pair.model, messages)
+                    histories[name] = _next(messages, first)
+                wait_recorded(gateway, name)
+            stats = httpx.get(f"{control}/kvturn/leases", headers=local_pair.control_headers)
+            expired_before = int(stats.json()["ended"].get("expired", 0))
+            time.sleep(LONG_PAUSE_S)  # a long tool run: beats go out every half lease
+            stats = httpx.get(f"{control}/kvturn/leases", headers=local_pair.control_headers)
+            assert int(stats.json()["ended"].get("expired", 0)) - expired_before >= 1
+            reads = NixlReads(local_pair.prefill_url)
+            with beating.conversation("short-beating", release=True):
+                got = run_turn(beating, local_pair.model, histories["short-beating"])
+            assert got.plan == "pull-reuse" and got.reused_tokens >= 600, got
+            _assert_same_answer(local_pair, got, histories["short-beating"])
+            reads.wait_for(1, min_bytes=got.reused_tokens * KV_BYTES_PER_TOKEN)
+            with silent.conversation("short-silent", release=True):
+                got = run_turn(silent, local_pair.model, histories["short-silent"])
+            assert (got.plan, got.reused_tokens) == ("recompute", 0)
+            _assert_same_answer(local_pair, got, histories["short-silent"])
+            beating.close()
+            silent.close()
+    finally:
+        short.stop()

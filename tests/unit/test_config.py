@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from kvturn.gateway.cli import build_parser, engine_specs
+from kvturn.gateway.cli import build_parser, engine_specs, up_lease_s
 from kvturn.gateway.config import GatewayConfig, endpoints
 
 
@@ -95,6 +95,22 @@ def test_push_needs_each_prefills_control_url() -> None:
          "http://d", "--transfer", "push"]
     )  # fmt: skip
     assert args.transfer == "push" and args.prefill_control == ["http://pc"]
+
+
+def test_up_never_promises_a_lease_longer_than_the_decodes_grant(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvturn up --kv-ttl 20``: the gateway's lease is 20 s, not its default 60 (clients plan
+    heartbeats from it); a --lease-s above --kv-ttl is cut, with a word; one below is kept."""
+    monkeypatch.delenv("KVTURN_LEASE_S", raising=False)
+    parse = build_parser().parse_args
+    assert up_lease_s(parse(["up", "--kv-ttl", "20"])) == 20
+    assert up_lease_s(parse(["up"])) is None  # 480 s of TTL: the gateway's own default
+    assert up_lease_s(parse(["up", "--kv-ttl", "20", "--lease-s", "90"])) == 20
+    assert "exceeds --kv-ttl" in capsys.readouterr().err
+    assert up_lease_s(parse(["up", "--kv-ttl", "20", "--lease-s", "8"])) == 8
+    monkeypatch.setenv("KVTURN_LEASE_S", "300")
+    assert up_lease_s(parse(["up", "--kv-ttl", "120"])) == 120
 
 
 def test_up_starts_prefill_with_vllms_prefix_cache(tmp_path: Path) -> None:

@@ -50,6 +50,34 @@ def test_conversation_turns_reuse_and_say_so(gateway: str) -> None:
     assert 'kvturn_turns_total{plan="pull-reuse"} 1.0' in metrics
 
 
+def test_a_conversation_is_told_the_lease_its_decode_grants(
+    fake_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode whose connector grants at most 20 s: the gateway (lease 60 s) asks for 20,
+    says 20 in the turn's header, and a heartbeat's answer asks for the next beat within half
+    of that, so a client that follows them never lets the lease lapse (issue: leases that tell
+    the truth)."""
+    from tests import fake_engine
+
+    monkeypatch.setattr(fake_engine, "MAX_LEASE_S", 20.0)
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]), lease_s=60
+    )
+    with running_gateway(config) as running:
+        decode = running.app.state.gateway.decode.instances[0]
+        _until(lambda: decode.max_lease_s == 20.0, "the decode's longest lease was never learned")
+        first = _chat(running.url, **{"X-Conversation-Id": "short-lease"})
+        assert first.headers["x-kvturn-lease-seconds"] == "20"
+        _recorded(running, "short-lease")
+        beat = httpx.post(
+            running.url + "/v1" + control.heartbeat_path("short-lease"),
+            json={"pause_kind": "tool", "paused_ms": 5},
+        )
+        answer = control.HeartbeatResponse.model_validate_json(beat.content)
+        assert answer.known and 0 < answer.lease_remaining_s <= 20
+        assert answer.next_heartbeat_s is not None and answer.next_heartbeat_s <= 10
+
+
 def test_conversation_id_from_body_or_prompt_cache_key(gateway: str) -> None:
     for field in ("conversation_id", "prompt_cache_key"):
         body = {
