@@ -43,6 +43,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -165,8 +166,13 @@ def _make_handler(
                     kind = body.get("pause_kind")
                     paused_ms = body.get("paused_ms")
                     paused_s = None if paused_ms is None else float(paused_ms) / 1000
-                except (TypeError, ValueError):
-                    self._send(400, {"error": "lease_s and paused_ms must be numbers"})
+                    finite = math.isfinite(lease_s) and (
+                        paused_s is None or math.isfinite(paused_s)
+                    )
+                except (TypeError, ValueError, OverflowError):
+                    finite = False
+                if not finite or lease_s < 0 or (paused_s is not None and paused_s < 0):
+                    self._send(400, {"error": "lease_s and paused_ms must be finite numbers >= 0"})
                     return
                 lease = leases.renew(
                     parts[2], lease_s, kind if isinstance(kind, str) else None, paused_s

@@ -84,11 +84,17 @@ class PauseModel:
             # [n, mean, M2] with the prior as pseudo-observations.
             self._stats[kind] = [prior_weight, mu, sigma * sigma * prior_weight]
 
+    #: An observation counts as at most this many (current) standard deviations from the mean,
+    #: in log space: one absurd report (a client's clock, a tenant's 1e308) moves the model as
+    #: far as one unusual pause, while a real shift still moves it, observation by observation.
+    CLIP_SIGMAS = 3.0
+
     def observe(self, kind: str, seconds: float) -> None:
         if kind not in self._stats or not math.isfinite(seconds) or seconds <= 0:
             return
-        x = math.log(max(seconds, 1e-3))
         n, mean, m2 = self._stats[kind]
+        reach = self.CLIP_SIGMAS * max(math.sqrt(m2 / n), 0.05)
+        x = min(max(math.log(max(seconds, 1e-3)), mean - reach), mean + reach)
         n += 1
         delta = x - mean
         mean += delta / n

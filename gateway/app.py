@@ -600,6 +600,7 @@ def _record_pause(gateway: Gateway, headers: dict[str, str]) -> tuple[str, float
         return None
     if not math.isfinite(ms) or ms < 0:
         return None  # nan or inf would poison the histogram (and the decode's pause model)
+    ms = min(ms, h.MAX_PAUSE_MS)  # 1e308 is a week, not a value to skew eviction with
     gateway.metrics.pauses_by[kind].observe(ms / 1000)
     return kind, ms
 

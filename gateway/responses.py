@@ -100,7 +100,7 @@ async def translate(body: dict[str, Any], store: ResponseStore, tenant: str) -> 
         request = _Request.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("str", "list")))
+        where = ".".join(str(p) for p in first["loc"] if not _union_branch(str(p)))
         raise InvalidRequest(f"invalid '{where}': {first['msg']}", param=where or None) from None
     if request.background:
         raise InvalidRequest("background responses are not supported", param="background")
@@ -255,12 +255,20 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+def _union_branch(part: str) -> bool:
+    """Whether a part of pydantic's error location names a branch of a union (``str``,
+    ``dict[str,any]``, ``list[...]``) rather than a field (``stream`` is a field)."""
+    return part in ("str", "int", "float", "bool", "none") or ("[" in part and part.endswith("]"))
+
+
 def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:
     if isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequest("tool_choice must be auto, none, required or a function", "tool_choice")
+    raise InvalidRequest(
+        "tool_choice must be auto, none, required or a function", param="tool_choice"
+    )
 
 
 def _chat_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -272,7 +280,7 @@ def _chat_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if form.get("type") == "json_schema":
         schema = {k: v for k, v in form.items() if k != "type"}
         return {"type": "json_schema", "json_schema": schema}
-    raise InvalidRequest(f"text format '{form.get('type')}' is not supported", "text.format")
+    raise InvalidRequest(f"text format '{form.get('type')}' is not supported", param="text.format")
 
 
 # ---- replies ---------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
-from kvturn.headers import PauseKind
+from kvturn.headers import MAX_PAUSE_MS, PauseKind
 
 CONVERSATIONS_PATH: Final = "/kvturn/conversations"
 
@@ -38,8 +38,14 @@ class HeartbeatRequest(BaseModel):
     """A client's report that the conversation is alive but paused."""
 
     pause_kind: PauseKind = "tool"
-    #: Milliseconds since the last reply ended.
+    #: Milliseconds since the last reply ended; longer than :data:`~kvturn.headers.MAX_PAUSE_MS`
+    #: counts as that (a pause model fed 1e308 would skew every tenant's eviction order).
     paused_ms: int = Field(default=0, ge=0)
+
+    @field_validator("paused_ms", mode="after")
+    @classmethod
+    def _clamped(cls, value: int) -> int:
+        return min(value, MAX_PAUSE_MS)
 
 
 class HeartbeatResponse(BaseModel):

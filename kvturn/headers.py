@@ -39,6 +39,10 @@ def is_valid_conversation_id(value: str) -> bool:
     return bool(_CONVERSATION_ID_RE.fullmatch(value))
 
 
+#: The longest pause a client may report (``X-Kvturn-Pause-Ms``, a heartbeat's ``paused_ms``):
+#: a week. Longer values count as this; no pause model learns from an absurd one.
+MAX_PAUSE_MS: Final = 7 * 24 * 3600 * 1000
+
 #: Seconds a conversation's lease lasts without a turn or heartbeat (gateway → client, on every
 #: response of a conversation). The client's first heartbeat of a pause comes at about half this.
 LEASE_SECONDS: Final = "X-Kvturn-Lease-Seconds"

@@ -220,6 +220,32 @@ def test_bad_pause_headers_are_ignored(open_gateway: str) -> None:
     assert math.isfinite(metric(open_gateway + "/metrics", total))
 
 
+def test_a_pause_past_a_week_counts_as_a_week(open_gateway: str) -> None:
+    """``X-Kvturn-Pause-Ms: 1e308`` was forwarded to decode as it came (and fed its pause
+    model); a heartbeat's ``paused_ms`` of 2**64 or more was a 500. Both count as a week."""
+    from kvturn.headers import MAX_PAUSE_MS
+
+    total = 'kvturn_client_pause_seconds_sum{kind="user"}'
+    before = metric(open_gateway + "/metrics", total)
+    response = httpx.post(
+        open_gateway + "/v1/chat/completions",
+        json={"model": "fake", "messages": MESSAGES},
+        headers={
+            "X-Kvturn-Pause-Ms": "1e308",
+            "X-Kvturn-Pause-Kind": "user",
+            "X-Conversation-Id": "absurd-pause",
+        },
+    )
+    assert response.status_code == 200
+    assert metric(open_gateway + "/metrics", total) - before == MAX_PAUSE_MS / 1000
+    beat = httpx.post(
+        open_gateway + "/v1/kvturn/conversations/absurd-pause/heartbeat",
+        json={"pause_kind": "tool", "paused_ms": 2**64 + 1},
+    )
+    assert beat.status_code == 200, beat.text
+    assert beat.json()["known"] is True
+
+
 def test_response_ids_are_opaque(open_gateway: str) -> None:
     ids = [
         httpx.post(

@@ -151,6 +151,23 @@ def test_pause_model_learns_each_kind() -> None:
     assert model.params("tool") == (mu, sigma)
 
 
+def test_one_absurd_pause_cannot_skew_the_model() -> None:
+    """The two-key probe's case: one tenant's pause of 1e308 ms. Before, the chance that a
+    tool pause returns within 10 s fell from 0.878 to 0.002 (0.006 after 20 normal pauses),
+    reordering every tenant's reclaims; each report now moves the model at most 3 sigma."""
+    model = PauseModel()
+    before = model.return_probability("tool", 0.0, 10.0)
+    model.observe("tool", 1e308 / 1000)
+    assert model.return_probability("tool", 0.0, 10.0) > 0.7 > 0.6 * before
+    for _ in range(20):
+        model.observe("tool", 2.0)
+    assert model.return_probability("tool", 0.0, 10.0) > 0.85
+    # A real shift still moves it, observation by observation.
+    for _ in range(200):
+        model.observe("tool", 600.0)
+    assert model.return_probability("tool", 0.0, 10.0) < 0.1
+
+
 def test_get_waits_for_a_late_retain_and_not_for_a_known_end() -> None:
     table = LeaseTable(time.monotonic, max_lease_s=60)
     threading.Timer(0.05, _retain, args=(table, 1, "a")).start()
@@ -212,6 +229,10 @@ def test_control_channel_routes(control: tuple[LeaseTable, str]) -> None:
     renewed = httpx.post(f"{base}/leases/r1/renew", headers=auth,
                          json={"lease_s": 45, "pause_kind": "tool", "paused_ms": 100})  # fmt: skip
     assert 44 < renewed.json()["expires_in_s"] <= 45
+    for raw in (b'{"lease_s": 45, "paused_ms": 1' + b"0" * 400 + b"}", b'{"lease_s": 1e400}',
+                b'{"lease_s": 45, "paused_ms": -1}', b'{"lease_s": -5}'):  # fmt: skip
+        refused = httpx.post(f"{base}/leases/r1/renew", headers=auth, content=raw)
+        assert refused.status_code == 400, raw  # a huge integer was an OverflowError
     bad = httpx.post(f"{base}/leases/r1/renew", headers=auth, json={"lease_s": "x"})
     assert bad.status_code == 400
     claimed = httpx.post(f"{base}/leases/r1/claim", headers=auth).json()

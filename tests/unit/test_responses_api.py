@@ -183,6 +183,10 @@ async def test_conversation_parameter_carries_its_history_like_openais_conversat
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "store": "yes"}, "store"),
         ({"input": "hi", "background": True}, "background"),
+        # Were a 500 (param passed positionally) and a 400 naming '' (a filter ate "stream").
+        ({"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"input": "hi", "stream": "yes"}, "stream"),
+        ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text.format"),
     ],
 )
 async def test_bad_requests_name_the_field(body: dict[str, Any], param: str) -> None:
