@@ -6,9 +6,11 @@
 
 Starts ``kvturn up --model smollm2`` (1 prefill + 1 decode vLLM engine on this machine's CPUs,
 real NIXL transfers, the gateway on port 8000), runs the agent against it, replays each of its
-model calls recomputed (a new conversation, a fresh ``cache_salt``), prints a per-call table
-(context tokens, plan, reused tokens, TTFT with reuse beside TTFT recomputed, same answer or
-not), writes the same as a PNG (``.kvturn/demo/ttft-<agent>.png``), and stops everything.
+model calls recomputed (a new conversation, a fresh ``cache_salt``) and the whole run as vLLM
+P/D with prefix caching serves it (prefill then decode, straight to the engines, a salt of its
+own), prints a per-call table (context tokens, plan, reused tokens, TTFT through kvturn beside
+both baselines, same answer or not), writes the same as a PNG
+(``.kvturn/demo/ttft-<agent>.png``), and stops everything.
 While it runs, ``.venv/bin/kvturn top --url http://127.0.0.1:8000`` in another terminal shows
 the gateway live.
 """
@@ -35,20 +37,23 @@ AGENTS = {
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_agent(agent: str, base_url: str, model: str, png: Path, turns: int) -> None:
+def run_agent(
+    agent: str, base_url: str, model: str, png: Path, turns: int, engines: tuple[str, str]
+) -> None:
     if agent == "openai":
         import log_agent
 
-        log_agent.report(log_agent.run_agent(base_url, model, turns), base_url, True, png)
+        outcome = log_agent.run_agent(base_url, model, turns)
+        log_agent.report(outcome, base_url, True, png, engines)
     elif agent == "agents":
         import code_agent
 
         outcome = asyncio.run(code_agent.run_agent(base_url, model, REPO))
-        code_agent.report(outcome, base_url, True, png)
+        code_agent.report(outcome, base_url, True, png, engines)
     else:
         import sql_agent
 
-        sql_agent.report(sql_agent.run_agent(base_url, model), base_url, True, png)
+        sql_agent.report(sql_agent.run_agent(base_url, model), base_url, True, png, engines)
 
 
 def main() -> int:
@@ -68,7 +73,9 @@ def main() -> int:
     state_file = Path(tempfile.mkdtemp(prefix="kvturn-demo-")) / "state.json"
     up = subprocess.Popen(
         [sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", args.model,
-         "--port", str(args.port), "--state-file", str(state_file)],
+         "--port", str(args.port), "--state-file", str(state_file),
+         # The "vLLM P/D" replay goes to the engines as plain P/D: decode keeps none of it.
+         "--no-retain-untracked"],
     )  # fmt: skip
     try:
         while not state_file.exists():
@@ -79,7 +86,8 @@ def main() -> int:
         state = json.loads(state_file.read_text())
         print(f"\nkvturn demo: {AGENTS[args.agent]}, through {state['gateway']}")
         print(f"(live view: .venv/bin/kvturn top --url http://127.0.0.1:{args.port})\n")
-        run_agent(args.agent, state["gateway"], state["model"], png, args.turns)
+        engines = (state["prefill"][0], state["decode"][0])
+        run_agent(args.agent, state["gateway"], state["model"], png, args.turns, engines)
         return 0
     finally:
         up.send_signal(signal.SIGINT)

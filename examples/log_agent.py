@@ -142,8 +142,16 @@ def run_agent(
     return Outcome(recorder.calls, answer)
 
 
-def report(outcome: Outcome, base_url: str, compare: bool, png: Path | None) -> list[Any]:
-    rows = turn_report.replay(outcome.calls, base_url, compare=compare)
+def report(
+    outcome: Outcome,
+    base_url: str,
+    compare: bool,
+    png: Path | None,
+    engines: tuple[str, str] | None = None,
+) -> list[Any]:
+    """Replay the run's calls (recomputed; and as vLLM P/D with prefix caching, given the
+    ``engines``: prefill URL, decode URL), print the table, draw it to ``png``."""
+    rows = turn_report.replay(outcome.calls, base_url, compare=compare, engines=engines)
     turn_report.print_table(rows)
     print(f"\nfinal answer: {outcome.answer.strip()[:400]}")
     if png is not None:

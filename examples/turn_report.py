@@ -9,7 +9,12 @@ same call recomputed.
 - **Replay.** :func:`replay` sends each recorded body again to the same gateway, after the
   agent's run, as the first turn of a new conversation and with a fresh ``cache_salt``, so
   neither kvturn nor any engine's prefix cache helps: the TTFT that call would have had
-  recomputed, and the answer recomputing gives.
+  recomputed, and the answer recomputing gives. Given the engines, it also replays the whole
+  run as "vLLM P/D as deployed" would serve it (:func:`replay_deployed`): every call, in order,
+  as a P/D request straight to the engines (prefill, then decode with prefill's
+  ``kv_transfer_params``, what vllm-router does with one engine of each), under one fresh
+  ``cache_salt`` of its own, so prefill's prefix cache holds what the earlier calls left there
+  and nothing of kvturn's run: the baseline a vLLM user already has.
 - **Report.** :func:`print_table` prints one row per call; :func:`plot` draws the same as a PNG.
 """
 
@@ -231,6 +236,42 @@ class Recorder:
         return call
 
 
+#: What prefill gets in plain P/D (vLLM's NixlConnector protocol; as in kvturn.kv_params).
+_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def replay_deployed(
+    http: Any, engines: tuple[str, str], body: dict[str, Any], salt: str, api_key: str
+) -> Call:
+    """``body`` as plain P/D with prefix caching serves it: prefill (one token, its KV kept
+    for decode), then decode reading that KV; TTFT from the prefill request on."""
+    prefill, decode = (url.rstrip("/") for url in engines)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    call = Call({**body, "cache_salt": salt})
+    dropped = ("stream_options", "max_completion_tokens")
+    first = {k: v for k, v in call.body.items() if k not in dropped}
+    first.update(stream=False, max_tokens=1, kv_transfer_params=_PREFILL_PARAMS)
+    answer = http.post(f"{prefill}/v1/chat/completions", json=first, headers=headers)
+    if answer.status_code != 200:
+        raise RuntimeError(f"P/D replay: prefill said {answer.status_code}: {answer.text[:300]}")
+    second = {**call.body, "kv_transfer_params": answer.json()["kv_transfer_params"]}
+    with http.stream("POST", f"{decode}/v1/chat/completions", json=second, headers=headers) as r:
+        call._answered(r)
+        for chunk in r.iter_raw():
+            call._chunk(chunk)
+    call._closed()
+    if call.answer is None:
+        raise RuntimeError(f"P/D replay failed: HTTP {call.status}: {bytes(call.raw)[:300]!r}")
+    return call
+
+
 def replay_one(http: Any, base_url: str, body: dict[str, Any], api_key: str) -> Call:
     """``body`` sent again so that nothing can be reused: recomputed.
 
@@ -261,6 +302,8 @@ class Row:
     index: int
     kvturn: Call
     recomputed: Call | None
+    #: The same call as vLLM P/D with prefix caching served it (None if not replayed).
+    deployed: Call | None = None
 
     @property
     def context_tokens(self) -> int | None:
@@ -283,14 +326,24 @@ class Row:
 
 
 def replay(
-    calls: Sequence[Call], base_url: str, api_key: str = "unused", compare: bool = True
+    calls: Sequence[Call],
+    base_url: str,
+    api_key: str = "unused",
+    compare: bool = True,
+    engines: tuple[str, str] | None = None,
 ) -> list[Row]:
-    """A row per recorded call, each replayed recomputed (``compare``) after the run."""
+    """A row per recorded call, each replayed recomputed (``compare``) after the run, and,
+    given ``engines`` (prefill URL, decode URL), the whole run replayed as plain P/D with
+    prefix caching."""
     rows = []
+    salt = f"deployed-{uuid.uuid4().hex}"
     with httpx.Client(timeout=600) as http:
         for i, call in enumerate(calls, 1):
             again = replay_one(http, base_url, call.body, api_key) if compare else None
             rows.append(Row(i, call, again))
+        if compare and engines is not None:
+            for row in rows:
+                row.deployed = replay_deployed(http, engines, row.kvturn.body, salt, api_key)
     return rows
 
 
@@ -322,10 +375,15 @@ def _ms(seconds: float | None) -> str:
 
 
 def print_table(rows: Sequence[Row], labels: Sequence[str] | None = None) -> None:
-    """One line per model call: context, plan, reused tokens, TTFT both ways, same answer."""
+    """One line per model call: context, plan, reused tokens, TTFT through kvturn, recomputed
+    (no prefix cache, nothing kept: P/D with nothing to reuse) and, when replayed, as vLLM P/D
+    with prefix caching serves the same run; whether kvturn's answer equals the recomputed."""
+    deployed = any(r.deployed for r in rows)
     print(
         f"{'call':>4}  {'step':<22} {'context':>7} {'plan':>12} {'reused':>6} "
-        f"{'TTFT kvturn':>11} {'TTFT recompute':>14}  same answer"
+        f"{'TTFT kvturn':>11} {'TTFT recompute':>14}"
+        + (f" {'TTFT vLLM P/D':>13}" if deployed else "")
+        + "  same answer"
     )
     for n, row in enumerate(rows):
         label = labels[n] if labels and n < len(labels) else ""
@@ -337,7 +395,8 @@ def print_table(rows: Sequence[Row], labels: Sequence[str] | None = None) -> Non
             f"{row.index:>4}  {step[:22]:<22} {context if context is not None else '-':>7} "
             f"{row.kvturn.plan or '?':>12} {row.kvturn.reused_tokens:>6} "
             f"{_ms(row.kvturn.ttft_s):>11} {_ms(recomputed):>14}"
-            f"  {same}"
+            + (f" {_ms(row.deployed.ttft_s if row.deployed else None):>13}" if deployed else "")
+            + f"  {same}"
         )
     reused = [r for r in rows[1:] if r.recomputed and r.kvturn.ttft_s and r.recomputed.ttft_s]
     if reused:
@@ -346,6 +405,17 @@ def print_table(rows: Sequence[Row], labels: Sequence[str] | None = None) -> Non
         print(
             f"\ncalls 2..{len(rows)}: TTFT {ours * 1000:.0f} ms with kvturn vs "
             f"{theirs * 1000:.0f} ms recomputed (x{theirs / ours:.2f})"
+        )
+        pd = [r.deployed.ttft_s for r in reused if r.deployed and r.deployed.ttft_s]
+        if len(pd) == len(reused):
+            total = sum(pd)
+            print(
+                f"calls 2..{len(rows)}: TTFT {ours * 1000:.0f} ms with kvturn vs "
+                f"{total * 1000:.0f} ms as vLLM P/D with prefix caching (x{total / ours:.2f})"
+            )
+        print(
+            "recompute: the call alone, no cache (a fresh cache_salt); vLLM P/D: the run's "
+            "calls in order, prefill then decode, prefill's prefix cache on (vLLM's default)"
         )
 
 
@@ -360,19 +430,28 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> Path:
     xs = [r.index for r in rows]
     ours = [(r.kvturn.ttft_s or 0) * 1000 for r in rows]
     theirs = [(r.recomputed.ttft_s or 0) * 1000 if r.recomputed else 0 for r in rows]
-    width = 0.38
+    deployed = [(r.deployed.ttft_s or 0) * 1000 if r.deployed else 0 for r in rows]
+    series = 3 if any(deployed) else 2
+    width = 0.8 / series
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.2), dpi=110)
     colours = {"recompute": "#9e9e9e", "pull-reuse": "#1f77b4", "decode-local": "#2ca02c"}
+    first = -width * (series - 1) / 2
     bars = ax.bar(
-        [x - width / 2 for x in xs],
+        [x + first for x in xs],
         ours,
         width,
         color=[colours.get(r.kvturn.plan or "", "#ff7f0e") for r in rows],
     )
-    ax.bar([x + width / 2 for x in xs], theirs, width, color="#d62728", alpha=0.55)
+    ax.bar([x + first + width for x in xs], theirs, width, color="#d62728", alpha=0.55)
+    if series == 3:
+        ax.bar([x + first + 2 * width for x in xs], deployed, width, color="#9467bd", alpha=0.7)
     plans = list(dict.fromkeys(r.kvturn.plan or "?" for r in rows))
     handles = [Patch(color=colours.get(p, "#ff7f0e"), label=f"kvturn: {p}") for p in plans]
     handles.append(Patch(color="#d62728", alpha=0.55, label="same call recomputed"))
+    if series == 3:
+        handles.append(
+            Patch(color="#9467bd", alpha=0.7, label="vLLM P/D, prefix caching (as deployed)")
+        )
     for bar, row in zip(bars, rows, strict=True):
         note = f"{row.kvturn.plan or '?'}\n{row.kvturn.reused_tokens} reused"
         ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()),

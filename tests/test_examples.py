@@ -66,8 +66,18 @@ def test_openai_sdk_log_agent(local_pair: LocalPair) -> None:
         local_pair.gateway_url, local_pair.model, turns=4,
         max_tokens=TOOL_MAX_TOKENS, answer_max_tokens=ANSWER_MAX_TOKENS,
     )  # fmt: skip
-    rows = turn_report.replay(outcome.calls, local_pair.gateway_url)
+    engines = (local_pair.prefill_url, local_pair.decode_url)
+    rows = turn_report.replay(outcome.calls, local_pair.gateway_url, engines=engines)
     check_reuse_and_answers(rows, calls=4)
+    # The demo's "vLLM P/D" column: the same run as plain P/D serves it, the same answers.
+    for row in rows:
+        assert row.deployed is not None and row.deployed.answer is not None, row.index
+        assert row.deployed.ttft_s is not None and row.deployed.plan is None  # no gateway
+        ours, theirs = row.kvturn.answer, row.deployed.answer
+        assert ours is not None and (ours.text, ours.tool_calls) == (
+            theirs.text,
+            theirs.tool_calls,
+        ), f"call {row.index}: kvturn's answer differs from plain P/D's"
     # Each reading turn called the tool (named in tool_choice) with a valid section.
     for call in outcome.calls[:3]:
         assert call.answer is not None
