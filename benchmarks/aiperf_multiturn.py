@@ -108,15 +108,19 @@ class Workload:
 
 #: The issue's four cases where the baseline can lose, and the one where it should not.
 #: Token counts: the tiny model's tokenizer is byte-level; a conversation ends near
-#: shared + context + turns x (isl + osl) tokens.
+#: shared + context + turns x (isl + osl) tokens (about 4.4k here: 35 blocks of 128). AIPerf's
+#: concurrency is the number of conversations under way at once: their histories are the
+#: working set. The KV caps hold in both modes (the same engines): a decode pool with more KV
+#: than a prefill pool, as P/D deployments are sized (decode holds every running context).
 WORKLOADS = {
     w.name: w
     for w in (
         Workload(
             "roomy",
-            "memory to spare (2 GiB of KV per engine): the issue's first AIPerf run; a "
-            "conversation continues on its decode (decode-local), no transfer",
-            conversations=8,
+            "memory to spare (2 GiB of KV per engine, about 500k tokens): the issue's first "
+            "AIPerf workload, twice the conversations; a conversation continues on its decode "
+            "(decode-local), no transfer",
+            conversations=16,
             turns=6,
             delay_ms=1500,
             concurrency=4,
@@ -124,37 +128,37 @@ WORKLOADS = {
         ),
         Workload(
             "beyond-prefill-cache",
-            "working set beyond prefill's cache: 16 conversations of ~4.4k tokens, "
-            "240 blocks (30k tokens) of KV per engine",
+            "working set beyond prefill's cache: 6 conversations under way (~26k tokens of "
+            "history) against 96 blocks (12k tokens) of prefill KV; decode has 400 blocks (51k)",
             conversations=16,
             turns=6,
             delay_ms=1500,
             concurrency=6,
-            prefill_blocks=240,
-            decode_blocks=240,
+            prefill_blocks=96,
+            decode_blocks=400,
         ),
         Workload(
             "two-prefills",
-            "2 prefills + 1 decode, 160 blocks (20k tokens) per prefill: placement by hash of "
-            "X-Session-ID (vllm-router) against by held KV (kvturn)",
+            "2 prefills (64 blocks, 8k tokens, each) + 1 decode (400 blocks): placement by hash "
+            "of X-Session-ID (vllm-router) against by what the engines hold (kvturn)",
             conversations=12,
             turns=6,
             delay_ms=1500,
             concurrency=6,
             prefill=2,
-            prefill_blocks=160,
-            decode_blocks=320,
+            prefill_blocks=64,
+            decode_blocks=400,
         ),
         Workload(
             "tool-pauses",
-            "long tool pauses under pressure: 8 s think time, 12 conversations, 200 blocks "
-            "(25k tokens) per engine",
+            "long tool pauses under pressure: 8 s think time, 8 conversations under way "
+            "(~35k tokens of history) against 96 blocks of prefill KV and 320 of decode",
             conversations=12,
             turns=5,
             delay_ms=8000,
-            concurrency=6,
-            prefill_blocks=200,
-            decode_blocks=200,
+            concurrency=8,
+            prefill_blocks=96,
+            decode_blocks=320,
         ),
         Workload(
             "smoke",
@@ -256,10 +260,7 @@ def run_aiperf(
                            f"{done.stderr[-3000:]}")  # fmt: skip
     exported = next(out.rglob("profile_export_aiperf.json"))
     data = json.loads(exported.read_text())
-    result = {"command": shown(tuple(command)), "wall_s": wall, "aiperf": data}
-    if outputs:
-        result["outputs"] = answers(out)
-    return result
+    return {"command": shown(tuple(command)), "wall_s": wall, "aiperf": data}
 
 
 def answers(out: Path) -> dict[tuple[str, int], str]:
@@ -282,7 +283,7 @@ def _records(data: Any) -> list[dict[str, Any]]:
 
 
 def _text(record: dict[str, Any]) -> str:
-    for key in ("output", "outputs", "text", "response", "generated_text", "responses"):
+    for key in ("response_text", "output", "text", "generated_text"):
         if key in record:
             value = record[key]
             return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
@@ -387,6 +388,7 @@ def run_workload(
         "router": router_command,
         "runs": runs,
         "answers": checked,
+        "artifacts": str(work),
     }
 
 
@@ -397,18 +399,24 @@ def compare_answers(
     A conversation's later prompts carry its earlier replies, so equal replies mean equal
     prompts all the way. Prefix caches hold the earlier modes' prompts by then: a cache hit
     never changes an answer, which is what this checks."""
-    replies: dict[str, dict[tuple[str, int], str]] = {}
     for mode in workload.modes:
         wait_idle(state["prefill"] + state["decode"])
         print(f"   {mode} (answers, seed {seed + 9999})", flush=True)
-        replies[mode] = run_aiperf(
+        run_aiperf(
             workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
             seed + 9999, work / f"answers-{mode}", outputs=True,
-        )["outputs"]  # fmt: skip
-    base = replies[workload.modes[0]]
-    checked: dict[str, Any] = {"baseline": workload.modes[0], "turns": len(base), "modes": {}}
+        )  # fmt: skip
+    return answers_compared(workload.modes, work)
+
+
+def answers_compared(modes: tuple[str, ...], work: Path) -> dict[str, Any]:
+    """The replies of the answer runs in ``work`` (``answers-<mode>``), each mode's against the
+    first's."""
+    replies = {mode: answers(work / f"answers-{mode}") for mode in modes}
+    base = replies[modes[0]]
+    checked: dict[str, Any] = {"baseline": modes[0], "turns": len(base), "modes": {}}
     for mode, mine in replies.items():
-        if mode == workload.modes[0]:
+        if mode == modes[0]:
             continue
         differ = sorted(f"{c}#{t}" for (c, t), text in base.items() if mine.get((c, t)) != text)
         empty = sum(1 for text in base.values() if not text.strip())
