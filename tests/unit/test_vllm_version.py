@@ -48,7 +48,7 @@ def test_the_installed_version_comes_from_the_distribution(
 
     monkeypatch.setattr(vllm_version.metadata, "version", version)
     assert vllm_version.installed_vllm_version() == "0.33.1"
-    with pytest.raises(VllmVersionError, match="runs vLLM '0.33.1'"):
+    with pytest.raises(VllmVersionError, match=r"runs vLLM '0\.33\.1'"):
         vllm_version.require_built_for_vllm()
     monkeypatch.setenv(vllm_version.CHECK_ENV, "off")
     vllm_version.require_built_for_vllm()
