@@ -1,7 +1,7 @@
 # The two commands a newcomer needs are `make demo` and `make test`; both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint typecheck unit bench client-compat client-only gateway-compat resolve-check
+.PHONY: setup demo test lint typecheck unit bench client-compat client-only gateway-compat resolve-check image-check
 
 setup:
 	@scripts/setup.sh
@@ -38,7 +38,12 @@ gateway-compat:
 resolve-check:
 	@scripts/resolve_check.sh
 
-test: lint typecheck client-compat client-only gateway-compat resolve-check
+# deploy/Dockerfile's gateway image built with buildah (Debian's package) on a Debian base made
+# from Debian's packages, and `kvturn --help` run in it (needs root; says so and skips if not).
+image-check:
+	@scripts/image_check.sh
+
+test: lint typecheck client-compat client-only gateway-compat resolve-check image-check
 	$(PY) -m pytest -q
 
 bench: setup
