@@ -77,6 +77,7 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
         served_model_name=served_name,
         prefill_prefix_caching=args.prefill_prefix_cache,
         kv_cache_gb=args.kv_cache_gb,
+        device=getattr(args, "device", "cpu"),
     )
     blocks = getattr(args, "decode_kv_blocks", None)
     if blocks:
@@ -93,10 +94,6 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
             else spec
             for spec in specs
         ]
-    if getattr(args, "device", "cpu") == "cuda":
-        # GPU engines: CUDA KV buffers and none of the CPU-only settings; no core pinning
-        # (vLLM's own threads serve the GPU).
-        specs = [replace(spec, device="cuda", cpu=None) for spec in specs]
     return specs
 
 

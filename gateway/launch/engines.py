@@ -415,7 +415,8 @@ def plan_specs(
                 control_port=(
                     base_port + 200 + i if role == "decode" or kv.transfer == "push" else 0
                 ),
-                cpu=cpus[i % len(cpus)],
+                # GPU engines are not pinned: vLLM's own threads serve the GPU.
+                cpu=cpus[i % len(cpus)] if spec_kwargs.get("device", "cpu") == "cpu" else None,
                 kv=kv,
                 served_model_name=served_model_name,
                 prefix_caching=prefill_prefix_caching if role == "prefill" else True,
