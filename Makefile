@@ -1,7 +1,7 @@
 # The two commands a newcomer needs are `make demo` and `make test`; both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint typecheck unit bench client-compat
+.PHONY: setup demo test lint typecheck unit bench client-compat client-only gateway-compat resolve-check image-check
 
 setup:
 	@scripts/setup.sh
@@ -24,7 +24,26 @@ typecheck: setup
 client-compat:
 	@scripts/client_compat.sh
 
-test: lint typecheck client-compat
+# `pip install .` (no extras) in .venv-client-only: the client alone, none of the gateway's
+# packages, tests/client passing against it with nothing of kvturn.gateway imported.
+client-only:
+	@scripts/client_only.sh
+
+# The gateway extra's ranges at both ends (.venv-compat-gateway-*), on the tests using them.
+gateway-compat:
+	@scripts/gateway_compat.sh
+
+# setup.sh's package set resolves from the registries alone, this machine's wheel folder,
+# mirrors and pip configuration hidden (a dry run: metadata only).
+resolve-check:
+	@scripts/resolve_check.sh
+
+# deploy/Dockerfile's gateway image built with buildah (Debian's package) on a Debian base made
+# from Debian's packages, and `kvturn --help` run in it (needs root; says so and skips if not).
+image-check:
+	@scripts/image_check.sh
+
+test: lint typecheck client-compat client-only gateway-compat resolve-check image-check
 	$(PY) -m pytest -q
 
 bench: setup

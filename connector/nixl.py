@@ -55,6 +55,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+# Before vLLM's own imports: refuse a vLLM release the connector was not built for.
+from kvturn.connector import vllm_guard  # noqa: F401
+
+# isort: split
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlConnector
 from vllm.v1.request import RequestStatus

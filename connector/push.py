@@ -51,6 +51,10 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
+# Before vLLM's own imports: refuse a vLLM release the connector was not built for.
+from kvturn.connector import vllm_guard  # noqa: F401
+
+# isort: split
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPushConnector
 from vllm.v1.request import RequestStatus
 

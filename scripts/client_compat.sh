@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prove kvturn.client's openai range (pyproject.toml): run tests/client (no engines) against
 # the oldest and the newest supported openai release, each in a small venv of its own
-# (.venv-compat-<version>: kvturn and its base dependencies, the test tools, no vLLM, no
-# adapters). A venv is made again only when pyproject.toml or this script changed.
+# (.venv-compat-<version>: kvturn and its base dependencies, the test tools, no gateway, no
+# vLLM, no adapters). A venv is made again only when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,11 +12,13 @@ versions=(${KVTURN_COMPAT_OPENAI:-1.66.0 3.57.0})
 
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null 2>&1 || python=python3
-# The test tools at the versions the dev extra pins.
+# The test tools at the versions the dev extra pins, and starlette (the gateway extra's) for the
+# stand-in gateway the client tests talk to.
 tools=$("$python" - <<'PY'
 import re, tomllib
-dev = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"]
-print(" ".join(d for d in dev if re.match(r"(pytest|pytest-asyncio|uvicorn)\b", d)))
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+wanted = r"(pytest|pytest-asyncio|uvicorn|starlette)\b"
+print(" ".join(d for d in extras["dev"] + extras["gateway"] if re.match(wanted, d)))
 PY
 )
 

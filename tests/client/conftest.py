@@ -16,13 +16,16 @@ import httpx
 import pytest
 from kvturn_stub_gateway import MODEL, ServerThread, StubGateway
 
-#: The adapters' tests need their extras (``agents``, ``langchain``); an environment without them
-#: (the openai compatibility check, ``make client-compat``) leaves those tests out.
+#: The adapters' tests need their extras (``agents``, ``langchain``), and two tests run the real
+#: gateway or its planner (the ``gateway`` extra); an environment without them (the openai
+#: compatibility check and the client-only install, ``make client-compat``) leaves those out.
 collect_ignore = [
     test
     for test, package in (
         ("test_adapter_openai_agents.py", "agents"),
         ("test_adapter_langchain.py", "langgraph"),
+        ("test_client_on_gateway.py", "tenacity"),
+        ("test_stub_gateway.py", "tenacity"),
     )
     if importlib.util.find_spec(package) is None
 ]

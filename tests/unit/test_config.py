@@ -369,3 +369,49 @@ def test_kvturn_engine_runs_an_engine_on_its_hosts_address(
     printed = capsys.readouterr().out.splitlines()
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1" in printed[0]
     assert printed[1].split()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_up_device_cuda_gives_gpu_engines_without_cpu_settings(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    cpu = engine_specs(build_parser().parse_args(["up"]), tmp_path, "m")
+    gpu = engine_specs(build_parser().parse_args(["up", "--device", "cuda"]), tmp_path, "m")
+    assert [s.device for s in cpu] == ["cpu", "cpu"] and [s.device for s in gpu] == ["cuda"] * 2
+    for cpu_spec, gpu_spec in zip(cpu, gpu, strict=True):
+        command, env = gpu_spec.command(), gpu_spec.environment({})
+        config = json.loads(command[command.index("--kv-transfer-config") + 1])
+        assert config["kv_buffer_device"] == "cuda"
+        assert "kvturn_nixl_progress_delay_us" not in config["kv_connector_extra_config"]
+        cpu_only = {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS",
+                    "VLLM_USE_AOT_COMPILE"}  # fmt: skip
+        assert not cpu_only & env.keys(), cpu_only & env.keys()
+        assert cpu_only <= cpu_spec.environment({}).keys()
+        assert gpu_spec.cpu is None  # no core pinning
+        # The same ports, roles and flags otherwise.
+        assert (gpu_spec.role, gpu_spec.port) == (cpu_spec.role, cpu_spec.port)
+        # kvturn's own (local) models need nothing from the hub, on either device.
+        assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
+
+
+def test_kvturn_engine_keeps_the_hub_reachable_for_a_model_id(tmp_path: Path) -> None:
+    from kvturn.gateway.cli import engine_spec
+
+    hub = engine_spec(
+        build_parser().parse_args(["engine", "--role", "decode", "--model", "org/name"])
+    )
+    env = hub.environment({"HF_TOKEN": "t"})
+    assert "HF_HUB_OFFLINE" not in env and "TRANSFORMERS_OFFLINE" not in env
+    assert env["HF_TOKEN"] == "t"
+    # The operator's own choice still applies.
+    assert hub.environment({"HF_HUB_OFFLINE": "1"})["HF_HUB_OFFLINE"] == "1"
+    (tmp_path / "config.json").write_text("{}")
+    local = engine_spec(
+        build_parser().parse_args(["engine", "--role", "decode", "--model", str(tmp_path)])
+    )
+    assert local.environment({})["HF_HUB_OFFLINE"] == "1"
+    # --device cuda leaves the GPU package's defaults alone.
+    gpu = engine_spec(
+        build_parser().parse_args(
+            ["engine", "--role", "prefill", "--device", "cuda", "--model", "org/name"]
+        )
+    )
+    assert "VLLM_USE_AOT_COMPILE" not in gpu.environment({})

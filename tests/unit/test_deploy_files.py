@@ -58,3 +58,27 @@ def test_prometheus_example_scrapes_kvturn_up_defaults() -> None:
     }
     specs = engine_specs(args, Path("/model"), "tiny")
     assert engines == {(s.role, f"127.0.0.1:{s.port}") for s in specs}
+
+
+#: Gauges every gateway replica reports alike: the shared (Redis) table's counts, and each
+#: decode's own lease counts, which every replica polls. Summed over replicas they would be
+#: multiplied by the number of replicas.
+REPLICATED_GAUGES = (
+    "kvturn_live_conversations",
+    "kvturn_conversations",
+    "kvturn_decode_leases",
+    "kvturn_decode_lease_blocks",
+    "kvturn_decode_lease_events",
+)
+
+
+def test_dashboard_combines_replicated_gauges_with_max() -> None:
+    dashboard = json.loads((DEPLOY / "grafana-kvturn.json").read_text())
+    seen = set()
+    for expr in _exprs(dashboard):
+        for name in REPLICATED_GAUGES:
+            if re.search(rf"\b{name}\b", expr):
+                seen.add(name)
+                pattern = rf"^max( by \([a-z, ]+\) )?\((delta\()?{name}\{{"
+                assert re.match(pattern, expr), expr
+    assert seen == set(REPLICATED_GAUGES)
