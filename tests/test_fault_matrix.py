@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.implicit import message_digests, seed
 from kvturn.gateway.launch.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import long_prompt, single_engine_ids
@@ -65,6 +66,20 @@ def _client(url: str) -> openai.OpenAI:
 
 def _history(topic: str, tokens: int = 600) -> list[dict[str, Any]]:
     return [{"role": "user", "content": long_prompt(tokens, topic)}]
+
+
+def _history_placed_on(
+    gateway: Any, url: str, model: str, topic: str, tokens: int
+) -> list[dict[str, Any]]:
+    """A history whose P/D turns the gateway places on prefill ``url``: it places a chat turn by
+    rendezvous hash of its first messages' digest (``TurnRunner._choose_prefill``), so the topic
+    is varied until that digest lands there."""
+    pool = gateway.app.state.gateway.prefill
+    for n in range(64):
+        messages = _history(f"{topic} {n}", tokens)
+        if pool.affine(message_digests(seed("", model, None), messages)[0]) == url:
+            return messages
+    raise AssertionError(f"no history of 64 is placed on {url}")
 
 
 def _next(messages: list[dict[str, Any]], reply: TurnResult, turn: int) -> list[dict[str, Any]]:
@@ -199,7 +214,8 @@ def test_prefill_killed_during_a_turn_is_served_by_another_prefill(
         with running_gateway(config) as gateway:
             # Served by the extra prefill, which accepts the gateway's key.
             before = metric(f"{spec.url}/metrics", "vllm:prompt_tokens_total")
-            run_turn(_client(gateway.url), local_pair.model, _history("keys", 50))
+            keys = _history_placed_on(gateway, spec.url, local_pair.model, "keys", 50)
+            run_turn(_client(gateway.url), local_pair.model, keys)
             assert metric(f"{spec.url}/metrics", "vllm:prompt_tokens_total") > before
             upstream = gateway.app.state.gateway.upstream
             real_post = upstream.post_json
@@ -215,7 +231,7 @@ def test_prefill_killed_during_a_turn_is_served_by_another_prefill(
                 return await request
 
             upstream.post_json = post_then_kill
-            messages = _history("salt marshes", 8000)
+            messages = _history_placed_on(gateway, spec.url, local_pair.model, "salt marshes", 8000)
             started = time.monotonic()
             got = run_turn(_client(gateway.url), local_pair.model, messages, "prefill-dies")
             assert time.monotonic() - started < TURN_BOUND_S
