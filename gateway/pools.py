@@ -87,7 +87,7 @@ class Pool:
             return None
         return max(
             self.instances,
-            key=lambda i: hashlib.blake2b(key, key=i.url.encode()[:64], digest_size=8).digest(),
+            key=lambda i: hashlib.blake2b(i.url.encode() + b"\0" + key, digest_size=8).digest(),
         ).url
 
 

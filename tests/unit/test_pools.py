@@ -48,6 +48,14 @@ def test_affinity_is_stable_spread_and_moves_only_the_leavers_keys() -> None:
         if url != "http://p2":  # only the keys of the instance that left move
             assert smaller.affine(key) == url
     assert Pool("prefill", []).affine(b"k") is None
+    # Service names as Kubernetes spells them: the URLs differ only past their 64th byte.
+    long = [
+        f"http://kvturn-prefill.inference.svc.cluster.local.example.internal:{p}"
+        for p in (8000, 8001)
+    ]
+    assert len(long[0]) > 64 and long[0][:64] == long[1][:64]
+    pool = Pool("prefill", endpoints(long))
+    assert {pool.affine(key) for key in keys} == set(long)
 
 
 class FlakyUpstream:
