@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from kvturn.gateway.launch.engines import EngineSpec, KVSettings
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
+
+if TYPE_CHECKING:
+    from tests.conftest import LocalPair
 
 __all__ = [
     "KV_BYTES_PER_TOKEN",
@@ -110,3 +116,22 @@ def kv_usage(engine_url: str) -> float:
     """A vLLM engine's KV cache usage (its ``vllm:kv_cache_usage_perc`` gauge, 0 to 1)."""
     text = httpx.get(engine_url + "/metrics", timeout=30).text
     return metric_total(text, "vllm:kv_cache_usage_perc")
+
+
+def extra_decode_spec(pair: LocalPair, offset: int, **overrides: Any) -> EngineSpec:
+    """A decode engine beside the session pair (its model, its retention), on ports
+    ``TEST_BASE_PORT + offset`` (+100: NIXL's side channel, +200: kvturn's control server);
+    ``overrides`` replace any field."""
+    from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S
+
+    spec = EngineSpec(
+        role="decode",
+        model=Path(str(pair.state["model_path"])),
+        served_model_name=pair.model,
+        port=TEST_BASE_PORT + offset,
+        side_channel_port=TEST_BASE_PORT + 100 + offset,
+        control_port=TEST_BASE_PORT + 200 + offset,
+        cpu=0,
+        kv=KVSettings(decoder_kv_blocks_ttl_s=TEST_KV_TTL_S),
+    )
+    return replace(spec, **overrides)

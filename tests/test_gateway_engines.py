@@ -28,12 +28,13 @@ import pytest
 from kvturn import control
 from kvturn.gateway.auth import ApiKeys
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.launch.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
+from kvturn.gateway.launch.engines import EngineProcess, wait_until_healthy
 from kvturn.gateway.server import GatewayThread
-from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
+from tests.conftest import LocalPair
 from tests.engine_requests import (
     KV_BYTES_PER_TOKEN,
     NixlReads,
+    extra_decode_spec,
     kv_usage,
     long_prompt,
     single_engine_completion_ids,
@@ -493,16 +494,7 @@ def test_holder_dies_during_the_pull_and_another_holder_is_down(
     (``decode-failed``) and the turn is served again on the other decode; the second
     conversation's next turn sees its holder down (``holder-unhealthy``). Every answer equals
     one engine alone."""
-    spec = EngineSpec(
-        role="decode",
-        model=Path(str(local_pair.state["model_path"])),
-        served_model_name=local_pair.model,
-        port=TEST_BASE_PORT + 50,
-        side_channel_port=TEST_BASE_PORT + 150,
-        control_port=TEST_BASE_PORT + 250,
-        cpu=0,
-        kv=KVSettings(decoder_kv_blocks_ttl_s=TEST_KV_TTL_S),
-    )
+    spec = extra_decode_spec(local_pair, 50)
     extra = EngineProcess(spec, tmp_path / "extra-decode.log").start()
     try:
         wait_until_healthy([extra], timeout_s=900)

@@ -20,9 +20,15 @@ import pytest
 
 from kvturn.client import OpenAI as KvturnOpenAI
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.launch.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
-from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
-from tests.engine_requests import KV_BYTES_PER_TOKEN, NixlReads, long_prompt, single_engine_ids
+from kvturn.gateway.launch.engines import EngineProcess, KVSettings, wait_until_healthy
+from tests.conftest import TEST_KV_TTL_S, LocalPair
+from tests.engine_requests import (
+    KV_BYTES_PER_TOKEN,
+    NixlReads,
+    extra_decode_spec,
+    long_prompt,
+    single_engine_ids,
+)
 from tests.gateway_fixtures import TurnResult, metric, run_turn, running_gateway, wait_recorded
 
 pytestmark = pytest.mark.engines
@@ -254,15 +260,9 @@ def test_memory_pressure_reclaims_by_expected_return(
     conversation's next turn recomputes with the same answer. Plain traffic without ids pins
     nothing and never waits either."""
     monkeypatch.setenv("KVTURN_CONTROL_SECRET", local_pair.control_secret)
-    spec = EngineSpec(
-        role="decode",
-        model=Path(str(local_pair.state["model_path"])),
-        served_model_name=local_pair.model,
-        port=TEST_BASE_PORT + 60,
-        side_channel_port=TEST_BASE_PORT + 160,
-        control_port=TEST_BASE_PORT + 260,
-        cpu=0,
-        kv=KVSettings(decoder_kv_blocks_ttl_s=TEST_KV_TTL_S),
+    spec = extra_decode_spec(
+        local_pair,
+        60,
         max_model_len=4096,
         extra_args=("--num-gpu-blocks-override", str(SMALL_DECODE_BLOCKS)),
     )
@@ -362,13 +362,9 @@ def test_heartbeats_keep_a_lease_the_decode_cut_short(
     the same answer as one engine alone); a conversation that sends no heartbeats recomputes.
     Before, the client was told 60 s and beat first at 30 s, after the decode had freed it."""
     monkeypatch.setenv("KVTURN_CONTROL_SECRET", local_pair.control_secret)
-    spec = EngineSpec(
-        role="decode",
-        model=Path(str(local_pair.state["model_path"])),
-        served_model_name=local_pair.model,
-        port=TEST_BASE_PORT + 90,
-        side_channel_port=TEST_BASE_PORT + 190,
-        control_port=TEST_BASE_PORT + 290,
+    spec = extra_decode_spec(
+        local_pair,
+        90,
         cpu=1,
         kv=KVSettings(decoder_kv_blocks_ttl_s=SHORT_TTL_S),
         max_model_len=4096,
