@@ -380,6 +380,15 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_retain_untracked(parser: argparse.ArgumentParser) -> None:
+    """``--retain-untracked``, for ``kvturn up`` and ``kvturn engine`` alike."""
+    parser.add_argument(
+        "--retain-untracked", action=argparse.BooleanOptionalAction, default=True,
+        help="decode: keep the KV of requests no kvturn gateway sent (another proxy's) for "
+        "--kv-ttl, as upstream's bidirectional NixlConnector does (off: free it at once)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvturn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -407,11 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-kv-blocks", type=int, default=None,
         help="cap each prefill's KV cache at this many blocks (to study memory pressure)",
     )  # fmt: skip
-    up.add_argument(
-        "--retain-untracked", action=argparse.BooleanOptionalAction, default=True,
-        help="decode: keep the KV of requests no kvturn gateway sent (another proxy's) for "
-        "--kv-ttl, as upstream's bidirectional NixlConnector does (off: free it at once)",
-    )  # fmt: skip
+    _add_retain_untracked(up)
     up.add_argument("--log-dir", default=None, help="engine logs (default $KVTURN_HOME/logs)")
     up.add_argument("--state-file", default=None, help="write URLs and pids here when ready")
     up.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait")
@@ -514,11 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
         help="vLLM's prefix cache on a prefill engine (a decode always keeps it)",
     )  # fmt: skip
-    eng.add_argument(
-        "--retain-untracked", action=argparse.BooleanOptionalAction, default=True,
-        help="decode: keep the KV of requests no kvturn gateway sent (another proxy's) for "
-        "--kv-ttl, as upstream's bidirectional NixlConnector does (off: free it at once)",
-    )  # fmt: skip
+    _add_retain_untracked(eng)
     eng.add_argument("--recompute-threshold", type=int, default=64, help="min tokens to pull")
     eng.add_argument("--print", action="store_true", help="print the command, do not run it")
     eng.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then vLLM's own flags")
