@@ -17,7 +17,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 typecheck: setup
-	$(PY) -m mypy kvturn client gateway connector
+	$(PY) -m mypy kvturn
 
 # kvturn.client against the oldest and the newest openai release pyproject.toml admits, each in
 # a small venv of its own (.venv-compat-*: no vLLM, no adapters); made once, then reused.

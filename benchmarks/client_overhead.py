@@ -359,7 +359,7 @@ def hook_cost(iterations: int) -> float:
 
 
 def use_client_from(directory: Path) -> None:
-    """Make ``kvturn.client`` the package in ``directory`` (another version of ``client/``)."""
+    """Make ``kvturn.client`` the package in ``directory`` (another ``kvturn/client/``)."""
     for name in [n for n in sys.modules if n == "kvturn.client" or n.startswith("kvturn.client.")]:
         del sys.modules[name]
     spec = importlib.util.spec_from_file_location(

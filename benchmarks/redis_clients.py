@@ -4,7 +4,7 @@ cost in latency and in the gateway's CPU.
 A turn with Redis state makes three calls, each one of the table's Lua scripts (EVALSHA): take
 the conversation's KV as the turn starts, mark the reply as settling when it starts, record
 where its KV stays after it. This runs exactly those scripts (read from
-``gateway/conversations.py``) against a ``redis-server`` of its own on loopback, on uvloop as
+``kvturn/gateway/conversations.py``) against a ``redis-server`` of its own on loopback, on uvloop as
 the gateway runs, with each client:
 
 - redis-py with hiredis's reply parser (what the gateway uses),
@@ -53,7 +53,7 @@ CONVERSATIONS = 64
 def table_scripts() -> dict[str, str]:
     """The table's Lua scripts, as the gateway has them (read, not imported: the clients'
     virtualenv has no kvturn)."""
-    tree = ast.parse((ROOT / "gateway" / "conversations.py").read_text())
+    tree = ast.parse((ROOT / "kvturn" / "gateway" / "conversations.py").read_text())
     found = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Break KV reuse on purpose, to prove the tests catch it (issue 18's sabotage runs).
 
-Each break is one small edit of ``connector/nixl.py``; ``scripts/break_reuse.sh`` applies
+Each break is one small edit of ``kvturn/connector/nixl.py``; ``scripts/break_reuse.sh`` applies
 them one at a time in a scratch clone, starts an engine pair with the broken connector, runs
 the reuse tests and puts the file back. Never run it in a checkout you are working in.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-CONNECTOR = Path(__file__).resolve().parent.parent / "connector" / "nixl.py"
+CONNECTOR = Path(__file__).resolve().parent.parent / "kvturn" / "connector" / "nixl.py"
 
 #: name -> (what it breaks, text replaced, replacement)
 BREAKS: dict[str, tuple[str, str, str]] = {

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Prove the reuse tests catch broken reuse: for each break in scripts/break_reuse.py (all by
 # default), start a tiny-model engine pair with the broken connector, run the reuse tests
-# against it, and put connector/nixl.py back. Run it in a scratch clone (it edits the tree),
+# against it, and put kvturn/connector/nixl.py back. Run it in a scratch clone (it edits the tree),
 # with `make test`'s set-up done. A break that no test catches is the failure this looks for.
 #   scripts/break_reuse.sh [NAME...]        results: .kvturn/break_reuse/<name>.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! git diff --quiet -- connector/nixl.py; then
-  echo "connector/nixl.py has changes: run this in a scratch clone" >&2
+if ! git diff --quiet -- kvturn/connector/nixl.py; then
+  echo "kvturn/connector/nixl.py has changes: run this in a scratch clone" >&2
   exit 2
 fi
 names=("$@")
@@ -34,7 +34,7 @@ for name in "${names[@]}"; do
     .venv/bin/python -m pytest -q -p no:cacheprovider --tb=line "${tests[@]}" >"$out/$name.log" 2>&1
   status=$?
   kill -INT "$up"; wait "$up"
-  git checkout -q -- connector/nixl.py
+  git checkout -q -- kvturn/connector/nixl.py
   if [[ $status -eq 0 ]]; then
     echo "$name: NOT CAUGHT (every test passed)"; uncaught=1
   else

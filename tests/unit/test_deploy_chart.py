@@ -574,8 +574,8 @@ def test_existing_secrets_make_the_rendering_reproducible(chart: helm_python.Cha
 
 
 def test_readiness_is_documented_as_health_answers() -> None:
-    """/health answers 200 while either pool can serve (gateway/app.py): the chart's comments,
-    notes and README say that, not "both pools"."""
+    """/health answers 200 while either pool can serve (kvturn/gateway/app.py): the chart's
+    comments, notes and README say that, not "both pools"."""
     texts = {
         path.name: " ".join(path.read_text().split())
         for path in (
@@ -613,9 +613,9 @@ def test_dockerfile_copies_what_pip_install_needs_and_runs_kvturn() -> None:
             for source in sources:
                 assert (ROOT / source).exists(), source
                 copied.add(source.rstrip("/"))
-    # Every package directory pyproject.toml maps, and its readme, are in the image.
-    for directory in pyproject["tool"]["setuptools"]["package-dir"].values():
-        assert directory.split("/")[0] in copied, directory
+    # The packages pyproject.toml finds (all under kvturn/), and its readme, are in the image.
+    assert pyproject["tool"]["setuptools"]["packages"]["find"]["include"] == ["kvturn*"]
+    assert "kvturn" in copied
     assert pyproject["project"]["readme"] in copied and "pyproject.toml" in copied
     # ... and in the build context its .dockerignore lets through.
     allowed = {

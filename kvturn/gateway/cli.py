@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from kvturn.gateway.config import CONTROL_SECRET_ENV, GatewayConfig, endpoints, parse_flag
 from kvturn.gateway.launch.engines import (
@@ -30,6 +31,9 @@ from kvturn.gateway.launch.engines import (
 )
 from kvturn.gateway.launch.local_models import MODEL_NAMES, ensure_model, kvturn_home
 from kvturn.gateway.top import add_parser as add_top_parser
+
+if TYPE_CHECKING:
+    from kvturn.gateway.server import GatewayThread, GatewayWorkers
 
 #: Tokens per KV block on vLLM-CPU.
 CPU_BLOCK_TOKENS = 128
@@ -195,7 +199,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
     deployment: Deployment | None = None
-    gateway = None
+    gateway: GatewayThread | GatewayWorkers | None = None
     # The decode engines' control channel (lease renew/release/claim) answers only to holders
     # of this secret: generated here unless the operator set one; engines and gateway inherit it.
     os.environ.setdefault(CONTROL_SECRET_ENV, secrets.token_urlsafe(32))
