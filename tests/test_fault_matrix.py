@@ -72,7 +72,7 @@ def _history_placed_on(
     gateway: Any, url: str, model: str, topic: str, tokens: int
 ) -> list[dict[str, Any]]:
     """A history whose P/D turns the gateway places on prefill ``url``: it places a chat turn by
-    rendezvous hash of its first messages' digest (``TurnRunner._choose_prefill``), so the topic
+    rendezvous hash of its first messages' digest (``turns.placement.choose_prefill``), so the topic
     is varied until that digest lands there."""
     pool = gateway.app.state.gateway.prefill
     for n in range(64):

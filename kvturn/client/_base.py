@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import openai
 from pydantic import ValidationError
@@ -34,7 +34,7 @@ from ._bodies import AsyncWatchedStream, WatchedStream, body_read
 from ._clock import Clock, monotonic_clock
 from ._conversation import Conversation, Turn, _current, begin_turn, finish_turn, resume_turn
 from ._headers import new_conversation_id
-from ._heartbeats import HeartbeatSchedule, ScheduledBeat
+from ._heartbeats import HeartbeatSchedule, ScheduledBeat, Worker
 from ._settings import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAUSE_SECONDS, KvturnSettings
 
 if TYPE_CHECKING:
@@ -63,16 +63,6 @@ MAX_IDLE_CONVERSATIONS = 10_000
 #: The header the openai SDK puts on every attempt of a request: how many retries came before.
 RETRY_COUNT = "x-stainless-retry-count"
 _PAUSE_HEADERS = (PAUSE_MS, PAUSE_KIND)
-
-
-class Worker(Protocol):
-    """The heartbeat worker: a thread (sync) or a task (async)."""
-
-    #: Whether it must hear of every pause, even one its plan already covers (a task must
-    #: check that it still runs on the caller's loop).
-    wake_each_pause: bool
-
-    def wake(self, deadline: float | None = None) -> None: ...
 
 
 #: Every live core, for requests that name an open conversation by header.

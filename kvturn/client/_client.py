@@ -18,10 +18,10 @@ import openai
 
 from kvturn.control import HeartbeatRequest, heartbeat_path, release_path
 
-from ._base import BaseKvturnClient, ControlCall, KvturnCore, Worker
+from ._base import BaseKvturnClient, ControlCall, KvturnCore
 from ._conversation import Conversation, _current
 from ._headers import new_conversation_id
-from ._heartbeats import HeartbeatTask, HeartbeatThread, ScheduledBeat
+from ._heartbeats import HeartbeatTask, HeartbeatThread, ScheduledBeat, Worker
 
 __all__ = ["AsyncConversationScope", "AsyncOpenAI", "ConversationScope", "OpenAI"]
 

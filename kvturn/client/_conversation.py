@@ -7,7 +7,7 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvturn.headers import (
     CONVERSATION_ID,
@@ -24,8 +24,19 @@ from ._headers import new_turn_id
 from ._pauses import Pause
 
 if TYPE_CHECKING:
-    from ._base import KvturnCore
-    from ._heartbeats import ScheduledBeat
+    from ._heartbeats import HeartbeatSchedule, ScheduledBeat, Worker
+    from ._settings import KvturnSettings
+
+
+class Core(Protocol):
+    """What a conversation asks of the client's core (``_base.KvturnCore``): named here, not
+    imported, as the core is made of conversations."""
+
+    settings: KvturnSettings
+    schedule: HeartbeatSchedule
+    worker: Worker | None
+    beating: bool
+
 
 __all__ = [
     "Conversation",
@@ -102,7 +113,7 @@ class Conversation:
     """
 
     def __init__(
-        self, conversation_id: str, *, core: KvturnCore, clock: Clock, lease_seconds: float
+        self, conversation_id: str, *, core: Core, clock: Clock, lease_seconds: float
     ) -> None:
         self.id = conversation_id
         self._core = core

@@ -17,16 +17,27 @@ import math
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ._clock import Clock
 from ._settings import KvturnSettings
 
-__all__ = ["HeartbeatSchedule", "HeartbeatTask", "HeartbeatThread", "ScheduledBeat"]
+__all__ = ["HeartbeatSchedule", "HeartbeatTask", "HeartbeatThread", "ScheduledBeat", "Worker"]
 
 log = logging.getLogger("kvturn.client")
 
 SyncBeat = Callable[["ScheduledBeat"], "float | None"]
 AsyncBeat = Callable[["ScheduledBeat"], Awaitable["float | None"]]
+
+
+class Worker(Protocol):
+    """The heartbeat worker: a thread (sync) or a task (async)."""
+
+    #: Whether it must hear of every pause, even one its plan already covers (a task must
+    #: check that it still runs on the caller's loop).
+    wake_each_pause: bool
+
+    def wake(self, deadline: float | None = None) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -45,7 +45,8 @@ from kvturn.gateway.responses import (
     translate,
 )
 from kvturn.gateway.tokens import CHAT_PATH
-from kvturn.gateway.turns import Turn, TurnRunner
+from kvturn.gateway.turns.model import Turn
+from kvturn.gateway.turns.runner import TurnRunner
 from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.validation import check_request
 from kvturn.kv_params import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY, MAX_LEASE_KEY

@@ -578,7 +578,7 @@ def test_a_turn_that_extends_the_held_one_is_planned_without_counting(
             recomputed + 1000 - reused
         )
         assert _metric(gateway.url, "kvturn_bound_violations_total") == 0
-        assert gateway.app.state.gateway.runner.bound_extensions
+        assert gateway.app.state.gateway.runner.context.bound_extensions
 
 
 def test_a_bound_that_does_not_hold_turns_planning_by_bounds_off(fake_url: str) -> None:
@@ -597,7 +597,7 @@ def test_a_bound_that_does_not_hold_turns_planning_by_bounds_off(fake_url: str) 
             lambda: _metric(gateway.url, "kvturn_bound_violations_total") == 1,
             "the bound was never checked",
         )
-        assert not gateway.app.state.gateway.runner.bound_extensions
+        assert not gateway.app.state.gateway.runner.context.bound_extensions
         _recorded(gateway, "long")
         counted = _metric(gateway.url, "kvturn_prompt_count_seconds_count")
         third = _turn_with(gateway.url, "long", [*messages, _REPLY, _TOOL_RESULT])

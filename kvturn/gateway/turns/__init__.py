@@ -1,0 +1,20 @@
+"""One turn through prefill and decode, told by collaborators with one job each.
+
+:mod:`.runner` (:class:`~.runner.TurnRunner`) keeps the order a turn is served in and its
+fallbacks; it asks
+
+- :mod:`.reuse`: which conversation the turn continues (by id, or found by its messages), what
+  the table gives it, and how it uses the conversation's previous KV (decode-local, pull-reuse
+  or recompute; a lease claimed for a pull);
+- :mod:`.placement`: which prefill engine takes it (its prompts' prefix cache) and where its
+  tokens are counted;
+- :mod:`.dispatch`: P/D with a pull or a recompute, and a turn on one side alone when the
+  other has no engine; :mod:`.push`: P/D with prefill writing into decode's blocks;
+- :mod:`.decode`: decode's request and its reply, whole or streamed through :mod:`.relay`;
+- :mod:`.settle`: once the reply is over, counting it, recording where its KV now lives and
+  freeing what nobody can come back for.
+
+:mod:`.model` holds what they pass each other; :mod:`.context` what they share (the pools, the
+table, the lease client, the learned costs, background work). Routing lives in
+:mod:`kvturn.gateway.pools`, the decision's arithmetic in :mod:`kvturn.gateway.planner`.
+"""

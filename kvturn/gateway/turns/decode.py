@@ -1,0 +1,201 @@
+"""Decode's part of a turn: its request (the params its connector leases the turn's KV by), and
+its reply, whole or streamed (:mod:`.relay`); and noting a decode that failed before replying,
+for the turn to be served again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import orjson
+
+from kvturn import headers as h
+from kvturn.gateway.conversations import Taken, salt_digest
+from kvturn.gateway.errors import NoHealthyEngine
+from kvturn.gateway.implicit import reply_message
+from kvturn.gateway.planner import TurnPlan
+from kvturn.gateway.pools import Instance
+from kvturn.gateway.replies import Reply
+from kvturn.gateway.turns.context import TurnContext
+from kvturn.gateway.turns.model import (
+    CONVERSATION_PARAM,
+    LEASE_PARAM,
+    PAUSE_PARAM,
+    DecodeFailed,
+    PrefillResult,
+    Reuse,
+    Turn,
+    passthrough,
+)
+from kvturn.gateway.turns.relay import Relay
+from kvturn.gateway.turns.settle import After, Settlement
+from kvturn.gateway.upstream import UpstreamUnavailable
+from kvturn.kv_params import PREFIX_DIGESTS_KEY
+
+logger = logging.getLogger("kvturn.gateway")
+
+
+class Decoder:
+    """Sends a turn to decode (see the module's docstring)."""
+
+    def __init__(self, context: TurnContext, settlement: Settlement):
+        self.context = context
+        self.settlement = settlement
+
+    def failed(self, failure: DecodeFailed) -> Instance | None:
+        """Note a decode that failed before replying; the instance, to avoid on a retry."""
+        logger.warning("decode failed before replying (%s); recomputing", failure)
+        self.context.metrics.upstream_errors_by["decode"].inc()
+        failed = self.context.decode.get(failure.url)
+        if failed is not None and failure.unreachable:
+            failed.healthy = False
+        return failed
+
+    def failed_reuse(self) -> Reuse:
+        plan = TurnPlan("recompute", "decode-failed")
+        self.context.metrics.fallbacks_by[plan.reason].inc()
+        return Reuse(plan)
+
+    async def decode(
+        self,
+        turn: Turn,
+        taken: Taken | None,
+        prefilled: PrefillResult,
+        *,
+        target: Instance | None = None,
+        supersedes: str | None = None,
+        avoid: Instance | None = None,
+        request_id: str | None = None,
+        keep: bool = True,
+    ) -> Reply:
+        """Decode's reply: after prefill (on a decode other than ``avoid``, if there is one),
+        or (``target``, a ``decode-local`` turn) on the holder alone, whose new lease then
+        ``supersedes`` the previous one. ``keep=False``: the engine keeps no KV of the turn
+        (a prefill engine serving it alone)."""
+        conversation = taken.conversation if taken is not None else None
+        prefer = conversation.holder_url if conversation else None
+        if target is not None:
+            instance = target
+        else:
+            try:
+                instance = self.context.decode.choose(prefer=prefer, exclude=avoid)
+            except NoHealthyEngine:
+                instance = self.context.decode.choose(prefer=prefer)
+        # 128 random bits: the reply's id is made of it (no turn counter shows through), and
+        # decode publishes the KV it retains under it. (A push turn's prefill shares it.)
+        request_id = request_id or f"kvturn-{os.urandom(16).hex()}"
+        body = dict(turn.body)
+        params = dict(prefilled.params)
+        # What decode's connector needs to lease the KV this turn leaves (or to free it at
+        # once: a turn without a conversation never comes back for it).
+        params[CONVERSATION_PARAM] = conversation.key if conversation and keep else None
+        # The lease this decode grants (its connector cuts a longer one): the client plans its
+        # heartbeats from what the header says, so it must never say more.
+        lease_s = instance.lease_s(self.context.config.lease_s)
+        params[LEASE_PARAM] = lease_s
+        if turn.pause is not None:
+            params[PAUSE_PARAM] = list(turn.pause)
+        body["kv_transfer_params"] = params
+        plan = prefilled.plan
+        response_headers = {
+            h.PLAN: plan.plan,
+            h.PLAN_REASON: plan.reason,
+            h.REUSED_TOKENS: str(prefilled.reused_tokens),
+        }
+        if conversation is not None:
+            response_headers[h.CONVERSATION_ID] = conversation.conversation_id
+            response_headers[h.LEASE_SECONDS] = f"{lease_s:g}"
+        url = instance.url + turn.path
+        upstream_headers = {"X-Request-Id": request_id}
+        after = After(
+            taken,
+            instance if keep else None,
+            request_id,
+            supersedes,
+            turn.implicit,
+            prefilled,
+            salt_digest(turn.body.get("cache_salt")),
+            decode_url=instance.url,
+            # Marked after the reply, off the response path, if anything is retained.
+            marks=turn if keep and self.context.limits.enabled else None,
+        )
+
+        instance.last_sent = time.monotonic()
+        if not turn.stream:
+            instance.in_flight += 1
+            try:
+                response = await self.context.upstream.post_json(url, body, upstream_headers)
+            except UpstreamUnavailable as error:
+                raise DecodeFailed(instance.url, unreachable=True) from error
+            except asyncio.CancelledError:
+                # The client left: the engine request was closed (vLLM aborts it). Free what
+                # decode may keep of it, as for a stream the client left.
+                after.holder, after.incomplete = None, True
+                prefilled.uncounted = None  # nor counted: the turn never answered
+                self.settlement.settle_later(after)
+                raise
+            finally:
+                instance.in_flight -= 1
+            if response.status >= 500:
+                raise DecodeFailed(instance.url, unreachable=False)
+            if response.status != 200:
+                after.holder, prefilled.uncounted = None, None  # no turn to count
+                self.settlement.settle_later(after)
+                return passthrough(response.status, response.body, response_headers)
+            payload = response.body
+            data = response.json()
+            if plan.local:
+                # The holder says how much its prefix cache served.
+                cached = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+                if "cached_tokens" in cached:
+                    prefilled.reused_tokens = int(cached["cached_tokens"] or 0)
+                    response_headers[h.REUSED_TOKENS] = str(prefilled.reused_tokens)
+            self.settlement.count(prefilled, instance)
+            after.retained = retained_in(data.get("kv_transfer_params"))
+            if after.retained is None and after.holder is not None:
+                # Decode did not say where the KV stays: the record waits on asking it.
+                self.settlement.mark_settling(after)
+            if data.get("kv_transfer_params") is not None:
+                # Engine-internal: shown to callers as one engine alone shows it (null).
+                data["kv_transfer_params"] = None
+                payload = orjson.dumps(data)
+            if turn.implicit is not None:
+                after.reply = reply_message(data)
+            self.settlement.settle_later(after)
+            return Reply(200, payload, response_headers)
+
+        instance.in_flight += 1
+        sent = time.perf_counter()
+        try:
+            upstream = await self.context.upstream.open_stream(url, body, upstream_headers)
+        except UpstreamUnavailable as error:
+            instance.in_flight -= 1
+            raise DecodeFailed(instance.url, unreachable=True) from error
+        if upstream.status >= 500:
+            await upstream.aclose()
+            instance.in_flight -= 1
+            raise DecodeFailed(instance.url, unreachable=False)
+        self.settlement.mark_settling(after)
+        if upstream.status != 200:
+            try:
+                payload = await upstream.read()
+            except Exception:
+                payload = b""
+            await upstream.aclose()
+            instance.in_flight -= 1
+            after.holder, prefilled.uncounted = None, None  # no turn to count
+            self.settlement.settle_later(after)
+            return passthrough(upstream.status, payload, response_headers)
+        relay = Relay(self.settlement, upstream, instance, prefilled, after, turn.started, sent)
+        return Reply(200, headers=response_headers, stream=relay)
+
+
+def retained_in(params: Any) -> dict[str, Any] | None:
+    """The lease a decode's non-streamed reply describes (the kvturn connector's params), if
+    it describes one."""
+    if isinstance(params, dict) and "expires_in_s" in params and PREFIX_DIGESTS_KEY in params:
+        return params
+    return None

@@ -1,0 +1,147 @@
+"""What a turn's collaborators pass each other: the turn as received, what planning decided
+about the previous KV, what decode needs after prefill; and the shaping of the requests the
+engines get."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvturn.gateway.implicit import message_digests, seed
+from kvturn.gateway.planner import TurnPlan
+from kvturn.gateway.pools import Instance
+from kvturn.gateway.replies import Reply
+from kvturn.gateway.tokens import CHAT_PATH
+from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
+
+#: ``kv_transfer_params`` keys decode's kvturn connector reads (see ``kvturn.connector.nixl``).
+CONVERSATION_PARAM = "kvturn_conversation"
+LEASE_PARAM = "kvturn_lease_s"
+PAUSE_PARAM = "kvturn_pause"
+
+#: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
+RECOMPUTE_PARAMS = PREFILL_FOR_REMOTE_DECODE
+#: Sampling fields that only matter for the reply, dropped from the prefill request.
+_DECODE_ONLY_FIELDS = ("max_completion_tokens", "stream_options", "min_tokens", "n")
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request as the gateway received it."""
+
+    path: str
+    body: dict[str, Any]
+    conversation_id: str | None
+    #: The client's turn id (``X-Kvturn-Turn-Id``), the same on every retry of one turn.
+    turn_id: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    #: The pause the client reported before this turn: (kind, milliseconds).
+    pause: tuple[str, float] | None = None
+    #: The caller's tenant (``""`` on an open gateway): conversations are its own.
+    tenant: str = ""
+    #: For a turn of an implicit conversation: the digest of its messages, which its reply
+    #: extends into the key the next turn is found by.
+    implicit: bytes | None = None
+    #: The conversation table could not be reached: the turn recomputes, keeping nothing.
+    state_unavailable: bool = False
+    #: A chat turn's chained message digests (see :meth:`message_digests`).
+    digests: list[bytes] | None = None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def message_digests(self) -> list[bytes]:
+        """Digest ``i`` commits to the tenant, model, cache salt and messages ``0..i``
+        (:func:`~kvturn.gateway.implicit.message_digests`); computed once. Empty for a request
+        without chat messages."""
+        if self.digests is None:
+            messages = self.body.get("messages")
+            if self.path != CHAT_PATH or not isinstance(messages, list):
+                self.digests = []
+            else:
+                start = seed(self.tenant, self.body.get("model"), self.body.get("cache_salt"))
+                self.digests = message_digests(start, messages)
+        return self.digests
+
+
+@dataclass(slots=True)
+class Uncounted:
+    """A ``decode-local`` turn planned from a bound on its new tokens
+    (:mod:`kvturn.gateway.extension`), not from counting them: the count comes after the
+    reply, off the response path, and checks the bound."""
+
+    path: str
+    body: dict[str, Any]
+    #: At most this many tokens past ``covered`` were to be computed by the holder.
+    bound: int
+    #: The prefix of the held prompt its digest verifies (tokens), and that digest.
+    covered: int
+    digest: str | None
+    #: Seconds to the first token (the holder's local prefill), once streamed.
+    first_token_s: float | None = None
+
+
+@dataclass(slots=True)
+class Reuse:
+    """What planning decided about the conversation's previous KV."""
+
+    plan: TurnPlan
+    #: ``kv_transfer_params`` for prefill: plain P/D, or a claimed lease to pull.
+    params: dict[str, Any] = field(default_factory=lambda: RECOMPUTE_PARAMS)
+    #: The lease this turn holds on the previous KV while prefill reads it: (holder, key).
+    claimed: tuple[Instance, str] | None = None
+    #: ``decode-local``: the holder, and the lease its new turn supersedes.
+    holder: Instance | None = None
+    previous_key: str | None = None
+    #: The prompt's tokens and those the holder's cache covers (``decode-local``).
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    uncounted: Uncounted | None = None
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What decode needs after prefill (or, for ``decode-local``, instead of it)."""
+
+    #: The prefill engine (``None``: no prefill ran, the turn is ``decode-local``).
+    instance: Instance | None
+    params: dict[str, Any]
+    prompt_tokens: int
+    reused_tokens: int
+    plan: TurnPlan
+    #: When prefill answered (perf_counter; for the costs decode adds after it).
+    finished_at: float = 0.0
+    #: A ``decode-local`` turn planned from a bound: its tokens are counted after the reply.
+    uncounted: Uncounted | None = None
+
+
+class DecodeFailed(Exception):
+    """Decode failed before sending a byte of its reply: the turn can still be retried."""
+
+    def __init__(self, url: str, *, unreachable: bool):
+        super().__init__(f"{url} {'unreachable' if unreachable else 'answered 5xx'}")
+        self.url = url
+        self.unreachable = unreachable
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The request prefill gets for a turn: one token, not streamed, carrying ``params``."""
+    prefill = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
+    if body.get("temperature") == 0 and "n" in body:
+        # Greedy sampling refuses n > 1: let prefill's own validation say so before any work.
+        prefill["n"] = body["n"]
+    prefill["max_tokens"] = 1
+    prefill["stream"] = False
+    prefill["kv_transfer_params"] = dict(params)
+    return prefill
+
+
+def passthrough(status: int, payload: bytes, headers: dict[str, str] | None = None) -> Reply:
+    """An engine's own answer (a 4xx the client must see), as it came."""
+    return Reply(status, payload, headers or {})
+
+
+def status_text(response: Any) -> str:
+    return "unreachable" if response is None else f"HTTP {response.status}"

@@ -1,0 +1,133 @@
+"""Decode's streamed reply on its way to the client: the first token observed (TTFT, and what
+decode added after prefill), the turn counted, and its reply settled when the stream ends or
+is closed; and calling off a decode request whose reply the client will never see."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+
+from kvturn.gateway.errors import UpstreamError
+from kvturn.gateway.implicit import ReplyCollector
+from kvturn.gateway.pools import Instance
+from kvturn.gateway.replies import Reply
+from kvturn.gateway.turns.model import PrefillResult
+from kvturn.gateway.turns.settle import After, Settlement
+from kvturn.gateway.upstream import StreamResponse, UpstreamUnavailable, next_chunk
+
+logger = logging.getLogger("kvturn.gateway")
+
+#: The end of a whole streamed reply.
+SSE_DONE = b"data: [DONE]\n\n"
+#: The event a streamed reply ends with when decode's stream breaks off mid-way.
+STREAM_BROKE = (
+    b"data: "
+    + orjson.dumps(
+        UpstreamError("the decode engine's stream broke off before the reply was complete").body()
+    )
+    + b"\n\n"
+)
+
+
+class Relay:
+    """Decode's streamed reply on its way to the client (a
+    :class:`~kvturn.gateway.replies.ReplyStream`): observes TTFT at the first chunk; when the
+    stream ends or is closed, frees the instance and records where the conversation's KV now
+    lives (nowhere, if the stream broke off)."""
+
+    def __init__(
+        self,
+        settlement: Settlement,
+        upstream: StreamResponse,
+        instance: Instance,
+        prefilled: PrefillResult,
+        after: After,
+        started: float,
+        sent: float,
+    ):
+        self.settlement = settlement
+        self.upstream = upstream
+        self.prefilled = prefilled
+        self.after = after
+        self.instance = instance
+        self.started = started
+        self.sent = sent
+        self.collector = ReplyCollector() if after.implicit is not None else None
+        self.first = True
+        self.closed = False
+        self.broken = False
+        #: Decode's ``[DONE]`` was relayed: the reply is whole, whatever comes after.
+        self.done = False
+
+    @property
+    def at_end(self) -> bool:
+        return self.upstream.at_end
+
+    async def next_chunk(self) -> bytes | None:
+        if self.broken:
+            return None
+        try:
+            chunk = await next_chunk(self.upstream)
+        except UpstreamUnavailable as error:
+            # Too late to retry the turn: tell the client the OpenAI way (the SDK raises an
+            # APIError for an error event) rather than cutting the connection.
+            logger.warning("decode's stream broke off: %s", error)
+            self.settlement.context.metrics.upstream_errors_by["decode"].inc()
+            self.broken = True
+            return STREAM_BROKE
+        if chunk is not None:
+            if chunk.endswith(SSE_DONE):
+                # The client has the whole reply once this is relayed, and may close at once.
+                self.done = True
+            if self.first:
+                self.first = False
+                now = time.perf_counter()
+                settlement, prefilled = self.settlement, self.prefilled
+                settlement.context.metrics.ttft_by[prefilled.plan.plan].observe(now - self.started)
+                settlement.count(prefilled, self.instance)
+                since = prefilled.finished_at if prefilled.instance is not None else self.sent
+                settlement.learn_first_token(prefilled, self.instance, now - since)
+            if self.collector is not None:
+                self.collector.feed(chunk)
+        return chunk
+
+    async def abandon(self) -> None:
+        """Close it unsent: the turn is served another way, and counted there."""
+        self.first = False
+        self.broken = True
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        completed = (self.upstream.at_end or self.done) and not self.broken
+        await self.upstream.aclose()
+        self.instance.in_flight -= 1
+        if self.first:
+            # Closed before any chunk: decode took the turn all the same.
+            self.settlement.count(self.prefilled, self.instance)
+        if not completed:
+            self.after.holder = None
+            self.after.incomplete = True
+        elif self.collector is not None:
+            self.after.reply = self.collector.message()
+        self.settlement.settle_later(self.after)
+
+
+async def cancel_reply(decoding: asyncio.Future[Reply]) -> None:
+    """Call off a decode request whose reply the client will never see (its turn is served
+    another way, or not at all): vLLM aborts a request whose connection closes."""
+    decoding.cancel()
+    await asyncio.gather(decoding, return_exceptions=True)
+    if not decoding.cancelled() and decoding.exception() is None:
+        reply = decoding.result()
+        if isinstance(reply.stream, Relay):
+            await reply.stream.abandon()
+
+
+def streamed(decoding: asyncio.Future[Reply]) -> bool:
+    return decoding.result().stream is not None
