@@ -51,3 +51,72 @@ def test_contract_package_is_small_and_typed() -> None:
     assert headers.CONVERSATION_ID == "X-Conversation-Id"
     assert control.heartbeat_path("c") == "/kvturn/conversations/c/heartbeat"
     assert kv_params.PREFIX_DIGESTS_KEY == "kvturn_prefix_digests"
+
+
+#: The sizes a reader can hold in mind: a module, a class (issue 36's house rules).
+MAX_GATEWAY_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package, by its dotted name."""
+    found = {}
+    for path in (ROOT / "kvturn").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules ``name`` imports anywhere in it: at the top, in a function, or
+    under ``TYPE_CHECKING`` (a cycle there is still a cycle in what the reader must hold)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    graph = {name: _imported_modules(name, path, modules) for name, path in modules.items()}
+    cycles = []
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycles.append([*trail[trail.index(name) :], name])
+            return
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert cycles == []
+
+
+def test_gateway_modules_and_every_class_stay_small() -> None:
+    too_long = []
+    for name, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text())
+        lines = len(path.read_text().splitlines())
+        if name.startswith("kvturn.gateway") and lines > MAX_GATEWAY_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno is not None
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_CLASS_LINES:
+                    too_long.append(f"{name}.{node.name}: {length} lines")
+    assert too_long == []
