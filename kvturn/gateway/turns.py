@@ -23,25 +23,16 @@ from kvturn import headers as h
 from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.conversations import (
-    Conversation,
-    ConversationTable,
-    Held,
-    Recorded,
-    Taken,
-    fresh_turn,
-    salt_digest,
-)
-from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
-from kvturn.gateway.extension import BOUNDARY_TOKENS, new_tokens_bound, prompt_mark
-from kvturn.gateway.implicit import (
-    Index,
+from kvturn.gateway.digests import (
     ReplyCollector,
     extend,
     message_digests,
     reply_message,
+    salt_digest,
     seed,
 )
+from kvturn.gateway.errors import GatewayError, NoHealthyEngine, StateUnavailable, UpstreamError
+from kvturn.gateway.extension import BOUNDARY_TOKENS, new_tokens_bound, prompt_mark
 from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import (
@@ -54,7 +45,15 @@ from kvturn.gateway.planner import (
 )
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
-from kvturn.gateway.response_store import StateUnavailable
+from kvturn.gateway.state.implicit import Index
+from kvturn.gateway.state.table import (
+    Conversation,
+    ConversationTable,
+    Held,
+    Recorded,
+    Taken,
+    fresh_turn,
+)
 from kvturn.gateway.tokens import CHAT_PATH, prompt_token_ids
 from kvturn.gateway.upstream import (
     StreamResponse,
@@ -127,6 +126,11 @@ class Turn:
     state_unavailable: bool = False
     #: A chat turn's chained message digests (see :meth:`message_digests`).
     digests: list[bytes] | None = None
+    #: What the conversation keeps of the request's ``cache_salt`` (:func:`~.digests.salt_digest`).
+    salt: bytes | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.salt = salt_digest(self.body.get("cache_salt"))
 
     @property
     def stream(self) -> bool:
@@ -134,7 +138,7 @@ class Turn:
 
     def message_digests(self) -> list[bytes]:
         """Digest ``i`` commits to the tenant, model, cache salt and messages ``0..i``
-        (:func:`~.implicit.message_digests`); computed once. Empty for a request without
+        (:func:`~.digests.message_digests`); computed once. Empty for a request without
         chat messages."""
         if self.digests is None:
             messages = self.body.get("messages")
@@ -275,7 +279,7 @@ class TurnRunner:
 
     async def _implicit_conversation(self, turn: Turn) -> tuple[str, str, bool] | None:
         """The conversation (key, id) a chat request without an id continues, found by its
-        messages (see :mod:`.implicit`), or a new one that its next turn can find (and
+        messages (see :mod:`.digests`), or a new one that its next turn can find (and
         whether it is new: a key just drawn, in no table yet)."""
         messages = turn.body.get("messages")
         if turn.path != CHAT_PATH or not isinstance(messages, list) or not messages:
@@ -609,7 +613,7 @@ class TurnRunner:
             holder_healthy=holder is not None and holder.healthy and holder.control_url is not None,
             expiry_margin_s=self.config.expiry_margin_s,
             threshold_tokens=self.config.reuse_threshold_tokens,
-            salt=salt_digest(turn.body.get("cache_salt")),
+            salt=turn.salt,
         )
         if turn.state_unavailable:
             plan = TurnPlan("recompute", "state-unavailable")
@@ -899,7 +903,7 @@ class TurnRunner:
             supersedes,
             turn.implicit,
             prefilled,
-            salt_digest(turn.body.get("cache_salt")),
+            turn.salt,
             decode_url=instance.url,
             # Marked after the reply, off the response path, if anything is retained.
             marks=turn if keep and self.limits.enabled else None,

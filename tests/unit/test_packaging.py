@@ -46,6 +46,7 @@ FOLDER_EXTRAS = {
     "kvturn/client/adapters": ("agents", "langchain"),
     "kvturn/gateway": ("gateway",),
     "kvturn/gateway/launch": ("gateway", "engine"),
+    "kvturn/gateway/state": ("gateway",),
     "kvturn/connector": ("gpu",),
 }
 #: Modules found without an import statement, and why they are not requirements.
