@@ -3,8 +3,8 @@ cost in latency and in the gateway's CPU.
 
 A turn with Redis state makes three calls, each one of the table's Lua scripts (EVALSHA): take
 the conversation's KV as the turn starts, mark the reply as settling when it starts, record
-where its KV stays after it. This runs exactly those scripts (read from
-``kvturn/gateway/conversations.py``) against a ``redis-server`` of its own on loopback, on uvloop as
+where its KV stays after it. This runs exactly those scripts (``kvturn/gateway/state/scripts/``,
+read as the gateway reads them) against a ``redis-server`` of its own on loopback, on uvloop as
 the gateway runs, with each client:
 
 - redis-py with hiredis's reply parser (what the gateway uses),
@@ -27,7 +27,6 @@ Results: benchmarks/results/redis_clients.md.
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import os
 import shutil
@@ -45,37 +44,33 @@ import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "redis_clients.md"
-SCRIPTS = ("_TAKE", "_SETTLING", "_RECORD")
+SCRIPTS = ("take", "settling", "record")
 CLIENTS = ("redis-py", "coredis", "valkey-glide")
 CONVERSATIONS = 64
 
 
 def table_scripts() -> dict[str, str]:
-    """The table's Lua scripts, as the gateway has them (read, not imported: the clients'
-    virtualenv has no kvturn)."""
-    tree = ast.parse((ROOT / "kvturn" / "gateway" / "conversations.py").read_text())
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            name = node.targets[0].id
-            if name in SCRIPTS and isinstance(node.value, ast.Constant):
-                found[name] = str(node.value.value)
-    assert set(found) == set(SCRIPTS), f"scripts not found: {set(SCRIPTS) - set(found)}"
-    return found
+    """The table's Lua scripts, as the gateway loads them (:mod:`kvturn.gateway.state.lua`,
+    standard library only: the clients' virtualenv has no kvturn installed, so the checkout's
+    is put on the path)."""
+    sys.path.insert(0, str(ROOT))
+    from kvturn.gateway.state.lua import script
+
+    return {name: script(name) for name in SCRIPTS}
 
 
 def turn_calls(i: int) -> list[tuple[str, list[str], list[Any]]]:
     """A turn's three calls, as the gateway makes them (keys and arguments)."""
     now = time.time()
     entry = f"bench:conv:c{i % CONVERSATIONS}"
-    # epoch, turn, ttl ms, now, holder, request id, tokens, digest, digest tokens, salt,
-    # expires at, prompt mark
-    held = [7, i, 600000, now, "http://127.0.0.1:8200", f"kvturn-{i:032x}", 1234, "ab" * 12,
-            1152, "", now + 30, "cd" * 12]  # fmt: skip
+    # epoch, turn, ttl ms, now, a fresh turn's conversation id and implicit index value (none),
+    # holder, request id, tokens, digest, digest tokens, salt, expires at, prompt mark
+    held = [7, i, 600000, now, "", "", "http://127.0.0.1:8200", f"kvturn-{i:032x}", 1234,
+            "ab" * 12, 1152, "", now + 30, "cd" * 12]  # fmt: skip
     return [
-        ("_TAKE", [entry, "bench:live", "bench:seen"], [f"c{i}", "", now, 600000, 7, ""]),
-        ("_SETTLING", [entry], [i, now]),
-        ("_RECORD", [entry, "bench:live"], held),
+        ("take", [entry, "bench:live", "bench:seen"], [f"c{i}", "", now, 600000, 7, ""]),
+        ("settling", [entry, "bench:seen", ""], [i, now, 600000, "", "", ""]),
+        ("record", [entry, "bench:live", "bench:seen", ""], held),
     ]
 
 

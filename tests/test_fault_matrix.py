@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.implicit import message_digests, seed
+from kvturn.gateway.digests import message_digests, seed
 from kvturn.gateway.launch.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import long_prompt, single_engine_ids

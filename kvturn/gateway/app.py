@@ -23,18 +23,17 @@ from kvturn import control
 from kvturn import headers as h
 from kvturn.gateway.auth import ApiKeys, scoped_key, tenant_salt
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.conversations import conversation_table
 from kvturn.gateway.errors import (
     BodyTooLarge,
     GatewayError,
     InvalidRequest,
     NoHealthyEngine,
+    StateUnavailable,
     error_body,
 )
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Pool, check_health_forever
 from kvturn.gateway.replies import Reply, error_reply, send_reply
-from kvturn.gateway.response_store import StateUnavailable, response_store
 from kvturn.gateway.responses import (
     RESPONSES_PATH,
     Translated,
@@ -44,6 +43,7 @@ from kvturn.gateway.responses import (
     responses_reply,
     translate,
 )
+from kvturn.gateway.state.stores import open_state
 from kvturn.gateway.tokens import CHAT_PATH
 from kvturn.gateway.turns.model import Turn
 from kvturn.gateway.turns.runner import TurnRunner
@@ -69,25 +69,24 @@ class Gateway:
         def on_state_error(op: str) -> None:
             metrics.state_errors.labels(op).inc()
 
-        #: The conversation table: in this process, or shared in Redis (``config.state``).
-        self.store = conversation_table(
+        #: The gateway's state: in this process, or shared in Redis (``config.state``).
+        self.state = open_state(
             config.state,
-            config.max_conversations,
+            max_conversations=config.max_conversations,
             # An entry is kept while a turn may still run and a lease may still be renewed.
             idle_s=config.request_timeout_s + config.lease_s,
-            on_error=on_state_error,
+            max_responses=config.max_responses,
+            responses_ttl_s=config.responses_ttl_s,
             timeout_s=config.state_timeout_s,
+            on_error=on_state_error,
         )
+        #: The conversation table.
+        self.store = self.state.table
         self.runner = TurnRunner(
             config, self.prefill, self.decode, self.upstream, self.store, self.metrics
         )
         #: Stored Responses API responses, for ``previous_response_id`` and ``GET``.
-        self.responses = response_store(
-            config.state,
-            config.max_responses,
-            config.responses_ttl_s,
-            on_error=on_state_error,
-        )
+        self.responses = self.state.responses
         self.models: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -172,8 +171,7 @@ class Gateway:
                 await task
         await self.runner.close()
         await self.upstream.close()
-        await self.responses.close()
-        await self.store.close()
+        await self.state.close()
 
 
 #: How often idle conversations are swept from the table, and at most how many per sweep.

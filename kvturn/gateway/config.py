@@ -64,8 +64,9 @@ class GatewayConfig:
     #: Where stored state lives: ``None``/``memory`` (this process) or ``redis://host:port/db``
     #: (shared by every gateway process and replica, kept across restarts).
     state: str | None = None
-    #: Longest wait for the state store on one operation: past it (or when Redis cannot be
-    #: reached) a turn recomputes instead of waiting on it.
+    #: Longest wait for the state store on one operation (the conversation table, the implicit
+    #: index and the response store alike: they share one client): past it (or when Redis
+    #: cannot be reached) a turn recomputes instead of waiting on it.
     state_timeout_s: float = 0.5
     max_body_bytes: int = 32 * 1024 * 1024
     #: Request body bytes held at once (being read or served), all connections together;

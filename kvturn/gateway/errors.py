@@ -56,6 +56,14 @@ class UpstreamError(GatewayError):
     code = "upstream_error"
 
 
+class StateUnavailable(GatewayError):
+    """The shared state store (:mod:`.state`) could not be reached; retrying shortly may work."""
+
+    status = 503
+    type = "server_error"
+    code = "state_unavailable"
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

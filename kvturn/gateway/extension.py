@@ -9,7 +9,7 @@ first token, most of its distance from a single engine's; ``benchmarks/results/t
 A bound is enough to plan by:
 
 * the request provably extends the held turn's request: its first ``n`` messages digest to what
-  the held turn's ``n`` messages digested to (the chain of :mod:`.implicit`: one pass over
+  the held turn's ``n`` messages digested to (the chain of :mod:`.digests`: one pass over
   the messages, which the gateway makes anyway), and the fields that decide how a prompt
   renders (model, tools, template and its options) are the same;
 * then what the holder computes is at most the held tokens past the verified prefix (which
@@ -59,7 +59,7 @@ def render_digest(body: dict[str, Any]) -> str:
 
 def prompt_mark(body: dict[str, Any], digests: Sequence[bytes]) -> str | None:
     """What a chat request's prompt is recognised by next turn: its message count, the
-    digest of its messages (``digests[-1]``, :func:`~.implicit.message_digests`) and of the
+    digest of its messages (``digests[-1]``, :func:`~.digests.message_digests`) and of the
     fields that render them. ``None`` for a request without messages."""
     if not digests:
         return None

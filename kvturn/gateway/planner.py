@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvturn.gateway.conversations import Conversation
+from kvturn.gateway.state.table import Conversation
 
 PlanName = Literal["recompute", "pull-reuse", "decode-local"]
 
@@ -70,7 +70,7 @@ def plan_turn(
     salt: bytes | None = None,
 ) -> TurnPlan:
     """Whether ``conversation`` has KV a turn can reuse: :data:`REUSE`, or a ``recompute``
-    plan with the reason it cannot. ``salt``: the turn's :func:`salt_digest`."""
+    plan with the reason it cannot. ``salt``: the turn's :func:`~.digests.salt_digest`."""
     if conversation is None:
         return RECOMPUTE_NO_CONVERSATION
     if conversation.holder_url is None:

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from kvturn.gateway.errors import GatewayError, InvalidRequest
 from kvturn.gateway.replies import Reply, ReplyStream, SseData
-from kvturn.gateway.response_store import ResponseStore
+from kvturn.gateway.state.response_store import ResponseStore
 
 RESPONSES_PATH = "/v1/responses"
 

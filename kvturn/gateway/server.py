@@ -31,7 +31,7 @@ from kvturn.gateway.app import create_app
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http_server import HttpServer
 from kvturn.gateway.metrics import MULTIPROC_DIR_ENV
-from kvturn.gateway.response_store import uses_redis
+from kvturn.gateway.state.redis_client import uses_redis
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kvturn.gateway.conversations import (
-    ConversationStore,
-    ConversationTable,
-    Held,
-    RedisConversations,
-    fresh_turn,
-)
-from kvturn.gateway.response_store import StateUnavailable
+from kvturn.gateway.errors import StateUnavailable
+from kvturn.gateway.state.implicit import RedisImplicitIndex
+from kvturn.gateway.state.redis_client import RedisState
+from kvturn.gateway.state.response_store import MemoryResponseStore, RedisResponseStore
+from kvturn.gateway.state.stores import open_state
+from kvturn.gateway.state.table import ConversationTable, Held, fresh_turn
+from kvturn.gateway.state.table_in_process import ConversationStore
+from kvturn.gateway.state.table_redis import RedisConversations
 from tests.gateway_fixtures import RedisServer, free_port, running_redis
 
 
@@ -45,17 +45,22 @@ class Clock:
 async def table(request: pytest.FixtureRequest) -> AsyncIterator[tuple[ConversationTable, Clock]]:
     clock = Clock()
     made: Any
+    redis = None
     if request.param == "memory":
         made = ConversationStore(100, clock=clock)
     else:
-        server = request.getfixturevalue("redis_server")
-        made = RedisConversations(
-            server.url, idle_s=600, prefix=f"t{uuid.uuid4().hex}:", clock=clock
-        )
+        redis = _redis(request.getfixturevalue("redis_server").url)
+        made = RedisConversations(redis, idle_s=600, clock=clock)
     try:
         yield made, clock
     finally:
-        await made.close()
+        if redis is not None:
+            await redis.close()
+
+
+def _redis(url: str, on_error: Any = None) -> RedisState:
+    """The state's one client, on keys of this test's own."""
+    return RedisState(url, timeout_s=0.5, prefix=f"t{uuid.uuid4().hex}:", on_error=on_error)
 
 
 async def _settling(store: ConversationTable, key: str, turn: int) -> None:
@@ -283,9 +288,8 @@ async def test_a_new_conversations_first_write_makes_its_entry(
 
 async def test_redis_outage_raises_state_unavailable_quickly() -> None:
     failed: list[str] = []
-    store = RedisConversations(
-        f"redis://127.0.0.1:{free_port()}/0", idle_s=60, on_error=failed.append
-    )
+    redis = _redis(f"redis://127.0.0.1:{free_port()}/0", on_error=failed.append)
+    store = RedisConversations(redis, idle_s=60)
     try:
         for call in (
             store.take("k", "c", None),
@@ -296,18 +300,22 @@ async def test_redis_outage_raises_state_unavailable_quickly() -> None:
             store.counts(),
             store.take("k", "c", None, wait_s=1.0),
             _settling(store, "k", 1),
+            store.implicit.match([b"\x01" * 16]),
         ):
             with pytest.raises(StateUnavailable):
                 await asyncio.wait_for(call, 5)
         assert failed == [
-            "take", "record", "lookup", "renewed", "remove", "counts", "take", "settling"
+            "take", "record", "lookup", "renewed", "remove", "counts", "take", "settling",
+            "implicit_match",
         ]  # fmt: skip
+        assert not store.reachable
     finally:
-        await store.close()
+        await redis.close()
 
 
 async def test_redis_entries_expire_by_themselves(redis_server: RedisServer) -> None:
-    store = RedisConversations(redis_server.url, idle_s=0.3, prefix=f"t{uuid.uuid4().hex}:")
+    redis = _redis(redis_server.url)
+    store = RedisConversations(redis, idle_s=0.3)
     try:
         taken = await store.take("k", "conv", None)
         await store.record("k", taken.conversation.epoch, taken.turn, _held("r1", lease_s=0.1))
@@ -316,4 +324,44 @@ async def test_redis_entries_expire_by_themselves(redis_server: RedisServer) -> 
         assert await store.lookup("k") is None
         assert await store.counts() == (0, 0)
     finally:
-        await store.close()
+        await redis.close()
+
+
+async def test_a_gateways_stores_share_one_redis_client_and_timeout(
+    redis_server: RedisServer,
+) -> None:
+    failed: list[str] = []
+    state = open_state(
+        redis_server.url,
+        max_conversations=10,
+        idle_s=60,
+        max_responses=10,
+        responses_ttl_s=60,
+        timeout_s=0.25,
+        on_error=failed.append,
+    )
+    try:
+        assert state.redis is not None
+        client = state.redis.client
+        pool = client.connection_pool.connection_kwargs
+        assert (pool["socket_timeout"], pool["socket_connect_timeout"]) == (0.25, 0.25)
+        table, responses = state.table, state.responses
+        assert isinstance(table, RedisConversations)
+        assert isinstance(table.implicit, RedisImplicitIndex)
+        assert isinstance(responses, RedisResponseStore)
+        assert table._client is table.implicit._redis.client is responses._redis is client
+        assert table.reachable and await table.counts() == (0, 0)
+    finally:
+        await state.close()
+    in_process = open_state(
+        "memory", max_conversations=10, idle_s=60, max_responses=10, responses_ttl_s=60,
+        timeout_s=0.25,
+    )  # fmt: skip
+    assert isinstance(in_process.table, ConversationStore) and in_process.redis is None
+    assert isinstance(in_process.responses, MemoryResponseStore)
+    await in_process.close()
+    with pytest.raises(ValueError, match="unknown state store"):
+        open_state(
+            "postgres://x", max_conversations=10, idle_s=60, max_responses=10,
+            responses_ttl_s=60, timeout_s=0.25,
+        )  # fmt: skip

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvturn.gateway.digests import message_digests, seed
 from kvturn.gateway.extension import (
     BOUNDARY_TOKENS,
     messages_bound,
     new_tokens_bound,
     prompt_mark,
 )
-from kvturn.gateway.implicit import message_digests, seed
 
 TOOLS = [
     {

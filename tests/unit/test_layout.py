@@ -120,3 +120,45 @@ def test_gateway_modules_and_every_class_stay_small() -> None:
                 if length > MAX_CLASS_LINES:
                     too_long.append(f"{name}.{node.name}: {length} lines")
     assert too_long == []
+
+
+#: What the state wing (``kvturn/gateway/state``) may import of kvturn: itself, the gateway's
+#: typed errors and the contract. It is below the turn path, the app and the HTTP server (they
+#: use it; it names none of them, whatever modules they are split into).
+STATE_MAY_IMPORT = ("kvturn.gateway.state", "kvturn.gateway.errors")
+
+
+def test_only_the_state_wing_talks_to_redis_and_it_is_below_the_turn_path() -> None:
+    state = ROOT / "kvturn" / "gateway" / "state"
+    contract = {f"kvturn.{p.stem}" for p in (ROOT / "kvturn").glob("*.py")}
+    offenders = []
+    for path in sorted((ROOT / "kvturn").rglob("*.py")):
+        inside = state in path.parents
+        for name in _imports(path):
+            if (name == "redis" or name.startswith("redis.")) and not inside:
+                offenders.append(f"{path.relative_to(ROOT)} imports {name} (only state may)")
+            if inside and (name == "kvturn" or name.startswith("kvturn.")):
+                allowed = name in contract or any(
+                    name == a or name.startswith(a + ".") for a in STATE_MAY_IMPORT
+                )
+                if not allowed:
+                    offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert offenders == []
+    # Every state module imports its siblings absolutely (a relative import would slip by).
+    for path in state.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+
+
+def test_the_state_scripts_ship_with_the_package() -> None:
+    import tomllib
+
+    from kvturn.gateway.state import lua
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert (
+        "scripts/*.lua" in pyproject["tool"]["setuptools"]["package-data"]["kvturn.gateway.state"]
+    )
+    shipped = {p.stem for p in (ROOT / "kvturn" / "gateway" / "state" / "scripts").glob("*.lua")}
+    assert shipped == {*lua.NAMES, "make"}
+    assert all("redis.call" in lua.script(name) for name in lua.NAMES)

@@ -47,6 +47,7 @@ FOLDER_EXTRAS = {
     "kvturn/gateway": ("gateway",),
     "kvturn/gateway/launch": ("gateway", "engine"),
     "kvturn/gateway/turns": ("gateway",),
+    "kvturn/gateway/state": ("gateway",),
     "kvturn/connector": ("gpu",),
 }
 #: Modules found without an import statement, and why they are not requirements.

@@ -1,8 +1,8 @@
 import pickle
 import sys
 
-from kvturn.gateway.conversations import ConversationStore
 from kvturn.gateway.planner import plan_turn
+from kvturn.gateway.state.table_in_process import ConversationStore
 
 
 class FakeClock:

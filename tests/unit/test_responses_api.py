@@ -15,18 +15,15 @@ import pydantic
 import pytest
 
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.errors import InvalidRequest
-from kvturn.gateway.response_store import (
-    MemoryResponseStore,
-    RedisResponseStore,
-    StateUnavailable,
-)
+from kvturn.gateway.errors import InvalidRequest, StateUnavailable
 from kvturn.gateway.responses import (
     ResponseNotFound,
     ResponsesStream,
     assistant_message,
     translate,
 )
+from kvturn.gateway.state.redis_client import RedisState
+from kvturn.gateway.state.response_store import MemoryResponseStore, RedisResponseStore
 from tests.gateway_fixtures import (
     ChunkStream,
     RedisServer,
@@ -346,7 +343,8 @@ def redis_server() -> Iterator[RedisServer]:
 async def test_redis_store_keeps_responses_and_conversations_per_tenant_until_expiry(
     redis_server: RedisServer,
 ) -> None:
-    store = RedisResponseStore(redis_server.url, ttl_s=0.5, prefix=f"t{uuid.uuid4().hex}:")
+    redis = RedisState(redis_server.url, timeout_s=0.5, prefix=f"t{uuid.uuid4().hex}:")
+    store = RedisResponseStore(redis, ttl_s=0.5)
     try:
         message = [{"role": "user", "content": "hi"}]
         await store.put("t1", {"id": "resp_a", "output": []}, message, "conv-1")
@@ -367,12 +365,13 @@ async def test_redis_store_keeps_responses_and_conversations_per_tenant_until_ex
         assert await store.get("t1", "resp_b") is None  # expired
         assert await store.conversation("t1", "c") is None
     finally:
-        await store.close()
+        await redis.close()
 
 
 async def test_redis_outage_is_a_503_on_lookup_and_a_counted_miss_on_store() -> None:
     failed: list[str] = []
-    store = RedisResponseStore(f"redis://127.0.0.1:{free_port()}/0", 60, on_error=failed.append)
+    redis = RedisState(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5, on_error=failed.append)
+    store = RedisResponseStore(redis, 60)
     try:
         await store.put("t", {"id": "resp_x"}, [], None)  # logged and counted, not raised
         with pytest.raises(StateUnavailable) as caught:
@@ -380,7 +379,7 @@ async def test_redis_outage_is_a_503_on_lookup_and_a_counted_miss_on_store() -> 
         assert caught.value.status == 503 and caught.value.code == "state_unavailable"
         assert failed == ["put_response", "get_response"]
     finally:
-        await store.close()
+        await redis.close()
 
 
 def test_chained_response_survives_a_gateway_restart_with_redis_state(

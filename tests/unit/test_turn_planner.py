@@ -10,13 +10,12 @@ from typing import Any
 import orjson
 import pytest
 
-from kvturn.gateway.conversations import ConversationStore, RedisConversations, fresh_turn
-from kvturn.gateway.implicit import (
-    ImplicitIndex,
+from kvturn.gateway.digests import (
     ReplyCollector,
     extend,
     message_digests,
     reply_message,
+    salt_digest,
     seed,
 )
 from kvturn.gateway.planner import (
@@ -28,6 +27,13 @@ from kvturn.gateway.planner import (
     choose_reuse,
     plan_turn,
 )
+from kvturn.gateway.state.implicit import ImplicitIndex
+from kvturn.gateway.state.redis_client import RedisState
+from kvturn.gateway.state.table import fresh_turn
+from kvturn.gateway.state.table_in_process import ConversationStore
+from kvturn.gateway.state.table_redis import RedisConversations
+from kvturn.gateway.tokens import CHAT_PATH
+from kvturn.gateway.turns.model import Turn
 from kvturn.kv_params import last_prefix_digest, prefix_digests
 from tests.gateway_fixtures import RedisServer, running_redis
 
@@ -251,9 +257,11 @@ async def test_a_resent_history_finds_its_conversation_whatever_the_client_refor
     where: str, request: pytest.FixtureRequest
 ) -> None:
     table: Any = ConversationStore(100)
+    redis = None
     if where == "redis":
         server = request.getfixturevalue("redis_server")
-        table = RedisConversations(server.url, idle_s=60, prefix=f"t{uuid.uuid4().hex}:")
+        redis = RedisState(server.url, timeout_s=0.5, prefix=f"t{uuid.uuid4().hex}:")
+        table = RedisConversations(redis, idle_s=60)
     index = table.implicit
     s = seed("tenant", "tiny")
     turn1 = [SYSTEM, USER]
@@ -285,8 +293,8 @@ async def test_a_resent_history_finds_its_conversation_whatever_the_client_refor
     assert await index.match(message_digests(seed("tenant", "big"), turn2)) is None
     changed = [SYSTEM, {"role": "user", "content": "Weather in Rome?"}, *turn2[2:]]
     assert await index.match(message_digests(s, changed)) is None
-    if where == "redis":
-        await table.close()
+    if redis is not None:
+        await redis.close()
 
 
 async def test_branches_of_a_conversation_both_find_it_and_the_index_is_bounded() -> None:
@@ -365,8 +373,9 @@ def test_reply_collector_rebuilds_a_streamed_reply() -> None:
 
 
 async def test_a_changed_cache_salt_never_reuses() -> None:
-    from kvturn.gateway.conversations import salt_digest
-
+    # A turn hashes its cache salt once, as it is made; planning and recording read it.
+    assert Turn(CHAT_PATH, {"cache_salt": "alpha"}, None).salt == salt_digest("alpha")
+    assert Turn(CHAT_PATH, {}, None).salt is None
     store = ConversationStore(10, clock=Clock())
     conversation = store.get_or_create("c")
     store.record_retained(

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.conversations import ConversationTable
 from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import CostModel, LocalLimits
 from kvturn.gateway.pools import Instance, Pool
+from kvturn.gateway.state.table import ConversationTable
 from kvturn.gateway.upstream import Upstream
 
 

@@ -13,12 +13,12 @@ from typing import Any
 import orjson
 
 from kvturn import headers as h
-from kvturn.gateway.conversations import Taken, salt_digest
+from kvturn.gateway.digests import reply_message
 from kvturn.gateway.errors import NoHealthyEngine
-from kvturn.gateway.implicit import reply_message
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
+from kvturn.gateway.state.table import Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import (
     CONVERSATION_PARAM,
@@ -117,7 +117,7 @@ class Decoder:
             supersedes,
             turn.implicit,
             prefilled,
-            salt_digest(turn.body.get("cache_salt")),
+            turn.salt,
             decode_url=instance.url,
             # Marked after the reply, off the response path, if anything is retained.
             marks=turn if keep and self.context.limits.enabled else None,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import time
 
-from kvturn.gateway.conversations import Taken
 from kvturn.gateway.errors import NoHealthyEngine, UpstreamError
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
+from kvturn.gateway.state.table import Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.decode import Decoder
 from kvturn.gateway.turns.model import (

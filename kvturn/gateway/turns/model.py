@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvturn.gateway.implicit import message_digests, seed
+from kvturn.gateway.digests import message_digests, salt_digest, seed
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
@@ -47,6 +47,12 @@ class Turn:
     state_unavailable: bool = False
     #: A chat turn's chained message digests (see :meth:`message_digests`).
     digests: list[bytes] | None = None
+    #: What the conversation keeps of the request's ``cache_salt``
+    #: (:func:`~kvturn.gateway.digests.salt_digest`): its KV is reused only under the same.
+    salt: bytes | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.salt = salt_digest(self.body.get("cache_salt"))
 
     @property
     def stream(self) -> bool:
@@ -54,7 +60,7 @@ class Turn:
 
     def message_digests(self) -> list[bytes]:
         """Digest ``i`` commits to the tenant, model, cache salt and messages ``0..i``
-        (:func:`~kvturn.gateway.implicit.message_digests`); computed once. Empty for a request
+        (:func:`~kvturn.gateway.digests.message_digests`); computed once. Empty for a request
         without chat messages."""
         if self.digests is None:
             messages = self.body.get("messages")

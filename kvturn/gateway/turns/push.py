@@ -9,11 +9,11 @@ import logging
 import os
 import time
 
-from kvturn.gateway.conversations import Taken
 from kvturn.gateway.errors import NoHealthyEngine
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
+from kvturn.gateway.state.table import Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.decode import Decoder
 from kvturn.gateway.turns.dispatch import Dispatch

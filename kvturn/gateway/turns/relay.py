@@ -10,8 +10,8 @@ import time
 
 import orjson
 
+from kvturn.gateway.digests import ReplyCollector
 from kvturn.gateway.errors import UpstreamError
-from kvturn.gateway.implicit import ReplyCollector
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
 from kvturn.gateway.turns.model import PrefillResult

@@ -1,5 +1,5 @@
 """Reuse, the planner-facing step of a turn: which conversation it continues (by its id, or
-found by its messages: :mod:`kvturn.gateway.implicit`), what the table gives it, and how it
+found by its messages: :mod:`kvturn.gateway.state.implicit`), what the table gives it, and how it
 uses the conversation's previous KV: ``decode-local`` on the holder, ``pull-reuse`` (the lease
 claimed for prefill to read), or ``recompute`` (the old lease freed). The arithmetic of the
 choice is :mod:`kvturn.gateway.planner`'s; this step gathers its inputs (the prompt's tokens,
@@ -12,12 +12,11 @@ import time
 from typing import Any
 
 from kvturn.gateway.auth import scoped_key
-from kvturn.gateway.conversations import Conversation, Taken, fresh_turn, salt_digest
-from kvturn.gateway.errors import NoHealthyEngine
+from kvturn.gateway.errors import NoHealthyEngine, StateUnavailable
 from kvturn.gateway.extension import new_tokens_bound
 from kvturn.gateway.planner import ReuseInputs, TurnPlan, choose_reuse, plan_turn
 from kvturn.gateway.pools import Instance
-from kvturn.gateway.response_store import StateUnavailable
+from kvturn.gateway.state.table import Conversation, Taken, fresh_turn
 from kvturn.gateway.tokens import CHAT_PATH, prompt_token_ids
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import Reuse, Turn, Uncounted
@@ -73,8 +72,8 @@ class ReuseStep:
 
     async def implicit_conversation(self, turn: Turn) -> tuple[str, str, bool] | None:
         """The conversation (key, id) a chat request without an id continues, found by its
-        messages (see :mod:`kvturn.gateway.implicit`), or a new one that its next turn can find (and
-        whether it is new: a key just drawn, in no table yet)."""
+        messages (see :mod:`kvturn.gateway.state.implicit`), or a new one that its next turn
+        can find (and whether it is new: a key just drawn, in no table yet)."""
         messages = turn.body.get("messages")
         if turn.path != CHAT_PATH or not isinstance(messages, list) or not messages:
             return None
@@ -104,7 +103,7 @@ class ReuseStep:
             holder_healthy=holder is not None and holder.healthy and holder.control_url is not None,
             expiry_margin_s=self.context.config.expiry_margin_s,
             threshold_tokens=self.context.config.reuse_threshold_tokens,
-            salt=salt_digest(turn.body.get("cache_salt")),
+            salt=turn.salt,
         )
         if turn.state_unavailable:
             plan = TurnPlan("recompute", "state-unavailable")

@@ -14,12 +14,12 @@ import time
 
 from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.conversations import Conversation, ConversationTable, Taken
 from kvturn.gateway.errors import NoHealthyEngine, UpstreamError
-from kvturn.gateway.implicit import Index
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
+from kvturn.gateway.state.implicit import Index
+from kvturn.gateway.state.table import Conversation, ConversationTable, Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.decode import Decoder
 from kvturn.gateway.turns.dispatch import Dispatch

@@ -4,7 +4,7 @@ freeing what nobody can come back for.
 A reply under way (a stream), or one whose record must first ask decode where its KV stays, is
 *marked* in the table first (:meth:`Settlement.mark_settling`): the conversation's next turn
 waits for its record a while. The record itself (:meth:`Settlement.settle`) runs off the
-response path; it is fenced by the turn's number in the table (:mod:`kvturn.gateway.conversations`),
+response path; it is fenced by the turn's number in the table (:mod:`kvturn.gateway.state.table`),
 and what it replaces, or what a newer turn made useless, is freed on its decode.
 """
 
@@ -16,11 +16,11 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from kvturn.gateway.conversations import Conversation, Held, Recorded, Taken
+from kvturn.gateway.digests import extend
+from kvturn.gateway.errors import StateUnavailable
 from kvturn.gateway.extension import BOUNDARY_TOKENS, prompt_mark
-from kvturn.gateway.implicit import extend
 from kvturn.gateway.pools import Instance
-from kvturn.gateway.response_store import StateUnavailable
+from kvturn.gateway.state.table import Conversation, Held, Recorded, Taken
 from kvturn.gateway.tokens import prompt_token_ids
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import PrefillResult, Turn

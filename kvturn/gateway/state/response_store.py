@@ -22,17 +22,10 @@ from typing import Any, Protocol
 
 import orjson
 
-from kvturn.gateway.errors import GatewayError
+from kvturn.gateway.errors import StateUnavailable
+from kvturn.gateway.state.redis_client import RedisState
 
 logger = logging.getLogger("kvturn.gateway.state")
-
-
-class StateUnavailable(GatewayError):
-    """The shared state store could not be reached; retrying shortly may work."""
-
-    status = 503
-    type = "server_error"
-    code = "state_unavailable"
 
 
 @dataclass(slots=True)
@@ -65,8 +58,6 @@ class ResponseStore(Protocol):
     async def put_conversation(
         self, tenant: str, conversation_id: str, messages: list[dict[str, Any]]
     ) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 class MemoryResponseStore:
@@ -105,9 +96,6 @@ class MemoryResponseStore:
     ) -> None:
         self._add(self._conversations, (tenant, conversation_id), messages)
 
-    async def close(self) -> None:
-        pass
-
     def _add(self, items: OrderedDict[Any, Any], key: tuple[str, str], value: Any) -> None:
         items[key] = (value, self._clock() + self.ttl_s)
         items.move_to_end(key)
@@ -128,20 +116,17 @@ class MemoryResponseStore:
 class RedisResponseStore:
     """In Redis (``redis://host:port/db``): one key per response and per conversation, each
     set with its expiry (``SET … EX``); how much Redis holds is bounded by the expiry and the
-    server's own ``maxmemory`` policy. Values are JSON."""
+    server's own ``maxmemory`` policy. Values are JSON. Shares the gateway's one state client
+    (:class:`~.redis_client.RedisState`: its timeout, prefix and error count); a failed call is
+    logged each time."""
 
-    def __init__(self, url: str, ttl_s: float, prefix: str = "kvturn:", on_error: Any = None):
-        # Imported here: only a gateway configured with Redis state needs the client.
-        import redis.asyncio
-
-        self._redis = redis.asyncio.Redis.from_url(
-            url, socket_connect_timeout=2.0, socket_timeout=2.0
-        )
-        self._errors = redis.exceptions.RedisError
+    def __init__(self, redis: RedisState, ttl_s: float):
+        self._redis = redis.client
+        self._errors = redis.errors
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self.prefix = prefix
+        self.prefix = redis.prefix
         #: Called with the operation's name when Redis fails (a metric).
-        self.on_error = on_error or (lambda op: None)
+        self.on_error = redis.on_error
 
     def _key(self, kind: str, tenant: str, name: str) -> str:
         # The tenant is hex-encoded: no tenant name can reach into another's keys.
@@ -150,7 +135,7 @@ class RedisResponseStore:
     async def _get(self, op: str, key: str) -> Any:
         try:
             raw = await self._redis.get(key)
-        except (self._errors, OSError) as error:
+        except self._errors as error:
             self.on_error(op)
             logger.warning("state store: %s failed: %s", op, error)
             raise StateUnavailable("the gateway's state store is unavailable") from None
@@ -159,7 +144,7 @@ class RedisResponseStore:
     async def _set(self, op: str, key: str, value: Any) -> None:
         try:
             await self._redis.set(key, orjson.dumps(value), px=self.ttl_ms)
-        except (self._errors, OSError) as error:
+        except self._errors as error:
             self.on_error(op)
             logger.warning("state store: %s failed (chaining to it will fail): %s", op, error)
 
@@ -182,7 +167,7 @@ class RedisResponseStore:
     async def delete(self, tenant: str, response_id: str) -> bool:
         try:
             return bool(await self._redis.delete(self._key("resp", tenant, response_id)))
-        except (self._errors, OSError) as error:
+        except self._errors as error:
             self.on_error("delete_response")
             logger.warning("state store: delete failed: %s", error)
             raise StateUnavailable("the gateway's state store is unavailable") from None
@@ -195,27 +180,3 @@ class RedisResponseStore:
         self, tenant: str, conversation_id: str, messages: list[dict[str, Any]]
     ) -> None:
         await self._set("put_conversation", self._key("conv", tenant, conversation_id), messages)
-
-    async def close(self) -> None:
-        await self._redis.aclose()
-
-
-def uses_redis(url: str | None) -> bool:
-    """Whether a gateway's ``state`` setting names Redis (``redis://…``, ``rediss://…``,
-    ``unix://…``) rather than this process (``None``, ``""``, ``memory``); anything else is
-    an error that names it."""
-    if url is None or url in ("", "memory"):
-        return False
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        return True
-    raise ValueError(f"unknown state store {url!r}: use 'memory' or a redis:// URL")
-
-
-def response_store(
-    url: str | None, max_entries: int, ttl_s: float, on_error: Any = None
-) -> ResponseStore:
-    """The store a gateway's ``state`` setting names (:func:`uses_redis`)."""
-    if uses_redis(url):
-        assert url is not None
-        return RedisResponseStore(url, ttl_s, on_error=on_error)
-    return MemoryResponseStore(max_entries, ttl_s)

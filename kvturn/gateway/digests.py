@@ -1,12 +1,15 @@
-"""Implicit conversations: reuse for clients that send no conversation id.
+"""What a request is recognised by: chained digests of its messages (and of the reply that
+extends them, :class:`ReplyCollector`), and a digest of its ``cache_salt``.
+
+Implicit conversations, reuse for clients that send no conversation id, rest on the first.
 
 A plain OpenAI client resends the whole history every turn: turn ``k + 1``'s messages are
 turn ``k``'s messages, then turn ``k``'s reply, then what is new. The gateway keeps, for each
 recent turn, one digest of *its messages plus its reply* (chained over messages, so a request's
-digests of every prefix come from one pass over it) and the conversation it belonged to. A
-request without an id whose messages start with such a prefix is that conversation's next turn.
-Only prefixes that end with an assistant message can be one: a conversation's first request is
-not looked up at all.
+digests of every prefix come from one pass over it) and the conversation it belonged to (the
+index, :mod:`kvturn.gateway.state.implicit`). A request without an id whose messages start with
+such a prefix is that conversation's next turn. Only prefixes that end with an assistant
+message can be one: a conversation's first request is not looked up at all.
 
 Matching only finds the conversation; it never decides what KV is reused. Every plan verifies
 exact token ids (decode's prefix cache hashes them, prefill's pull checks the holder's digests),
@@ -14,27 +17,22 @@ so a false match, an edited message or a reply the client reformatted costs reus
 answer. Two requests that extend the same turn (branches) both find it; the first takes its KV,
 the other recomputes or reuses what still matches. Digests are seeded with the caller's tenant,
 the model and the request's ``cache_salt``, so tenants (and differently salted requests) never
-match each other's turns. Memory is bounded: one entry per
-recent turn, least recently used dropped first.
+match each other's turns.
 
-With ``--state redis://…`` the index lives in Redis beside the conversation table
-(:class:`RedisImplicitIndex`), so a turn finds its conversation whichever gateway worker or
-replica served the previous one.
+The same chain tells whether a request extends the held turn's (:mod:`.extension`), and a
+conversation keeps a digest of the ``cache_salt`` its KV was computed under
+(:func:`salt_digest`). Each is computed once per turn (:class:`~.turns.model.Turn`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import orjson
 
 from kvturn.gateway.replies import SseData
-
-if TYPE_CHECKING:
-    from kvturn.gateway.conversations import RedisConversations
 
 #: Message fields that decide what the model sees (ids of tool calls are the engine's random
 #: names that clients echo back, or not: left out, so either way matches).
@@ -111,87 +109,18 @@ def extend(digest: bytes, message: dict[str, Any]) -> bytes:
     return h.digest()
 
 
+def salt_digest(cache_salt: object) -> bytes | None:
+    """What a conversation keeps of a request's ``cache_salt``: 8 bytes, or ``None``."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(str(cache_salt).encode(), digest_size=8).digest()
+
+
 def seed(tenant: str, model: Any, cache_salt: Any = None) -> str:
     """What every digest of a conversation starts from: requests of another tenant, for
     another model, or under another ``cache_salt`` (vLLM's promise that differently salted
     requests share no KV) never match."""
     return f"{tenant}\0{model}\0{cache_salt}"
-
-
-class Index(Protocol):
-    """Digest of a recent turn's messages plus reply → the conversation (its key in the
-    table, its id). Written by the table, with the turn's record or mark (the ``findable``
-    of :meth:`~.conversations.ConversationTable.record`), so that a conversation is indexed
-    only where its entry exists."""
-
-    async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
-        """The conversation of the recorded turn that the longest prefix of ``digests`` ends."""
-        ...
-
-    def size(self) -> int | None:
-        """Turns remembered (``None``: not counted here)."""
-        ...
-
-
-class ImplicitIndex:
-    """In this process, LRU-bounded."""
-
-    def __init__(self, max_entries: int):
-        self._items: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
-        self._max = max_entries
-
-    async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
-        """The conversation of the recorded turn that the longest prefix of ``digests`` ends."""
-        for digest in reversed(digests):
-            found = self._items.get(digest)
-            if found is not None:
-                self._items.move_to_end(digest)
-                return found
-        return None
-
-    def put(self, digest: bytes, conversation: tuple[str, str]) -> None:
-        """Index ``conversation`` under ``digest`` (the in-process table's record and mark)."""
-        self._items[digest] = conversation
-        self._items.move_to_end(digest)
-        while len(self._items) > self._max:
-            self._items.popitem(last=False)
-
-    def size(self) -> int | None:
-        return len(self._items)
-
-
-class RedisImplicitIndex:
-    """In Redis, beside the conversation table (:class:`~.conversations.RedisConversations`,
-    whose client, expiry and outage reporting it shares): one key per recorded turn
-    (``{prefix}implicit:{digest}``), kept as long as a conversation's entry. One ``MGET`` per
-    match."""
-
-    def __init__(self, table: RedisConversations):
-        self.table = table
-        self._redis = table.redis
-        self.prefix = f"{table.prefix}implicit:"
-
-    async def match(self, digests: Sequence[bytes]) -> tuple[str, str] | None:
-        if not digests:
-            return None
-        try:
-            found = await self._redis.mget([self.prefix + d.hex() for d in digests])
-        except self.table.errors as error:
-            raise self.table.failed("implicit_match", error) from None
-        self.table.succeeded()
-        for value in reversed(found):
-            if value is not None:
-                key, conversation_id = orjson.loads(value)
-                return str(key), str(conversation_id)
-        return None
-
-    def item(self, digest: bytes, conversation: tuple[str, str]) -> tuple[str, bytes]:
-        """The key and value that index ``conversation`` under ``digest`` (the table's record
-        and mark set them, in their own scripts)."""
-        return self.prefix + digest.hex(), orjson.dumps(list(conversation))
-
-    def size(self) -> int | None:
-        return None
 
 
 class ReplyCollector:
