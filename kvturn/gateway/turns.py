@@ -34,6 +34,13 @@ from kvturn.gateway.conversations import (
 )
 from kvturn.gateway.errors import GatewayError, NoHealthyEngine, UpstreamError
 from kvturn.gateway.extension import BOUNDARY_TOKENS, new_tokens_bound, prompt_mark
+from kvturn.gateway.http.upstream import (
+    StreamResponse,
+    Upstream,
+    UpstreamResponse,
+    UpstreamUnavailable,
+    next_chunk,
+)
 from kvturn.gateway.implicit import (
     Index,
     ReplyCollector,
@@ -56,13 +63,6 @@ from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
 from kvturn.gateway.response_store import StateUnavailable
 from kvturn.gateway.tokens import CHAT_PATH, prompt_token_ids
-from kvturn.gateway.upstream import (
-    StreamResponse,
-    Upstream,
-    UpstreamResponse,
-    UpstreamUnavailable,
-    next_chunk,
-)
 from kvturn.kv_params import (
     BLOCK_SIZE_KEY,
     DIGEST_CHUNK_TOKENS,

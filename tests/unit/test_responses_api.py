@@ -21,12 +21,9 @@ from kvturn.gateway.response_store import (
     RedisResponseStore,
     StateUnavailable,
 )
-from kvturn.gateway.responses import (
-    ResponseNotFound,
-    ResponsesStream,
-    assistant_message,
-    translate,
-)
+from kvturn.gateway.responses.objects import assistant_message
+from kvturn.gateway.responses.stream import ResponsesStream
+from kvturn.gateway.responses.translate import ResponseNotFound, translate
 from tests.gateway_fixtures import (
     ChunkStream,
     RedisServer,
