@@ -95,7 +95,7 @@ def local_pair(
     state_file = work / "state.json"
     log = open(work / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", model,
+        [sys.executable, "-m", "kvturn.gateway.ops.cli", "up", "--model", model,
          "--base-port", str(base_port), "--kv-ttl", str(kv_ttl), "--port", str(gateway_port),
          "--kv-cache-gb", str(kv_cache_gb), "--transfer", transfer,
          "--log-dir", str(work / "logs"), "--state-file", str(state_file),

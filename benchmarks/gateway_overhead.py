@@ -50,7 +50,7 @@ import httpx
 import orjson
 import uvloop
 
-from kvturn.gateway.http1 import HttpClient
+from kvturn.gateway.http.client import HttpClient
 from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -289,8 +289,9 @@ def main() -> int:
     py = sys.executable
     fake = (py, str(ROOT / "benchmarks" / "fast_upstream.py"), "--port", str(FAKE_PORT))
     fake_url = f"http://127.0.0.1:{FAKE_PORT}"
-    gateway = (py, "-m", "kvturn.gateway.cli", "serve", "--prefill", fake_url, "--decode", fake_url,
-               "--decode-control", fake_url, "--port", str(GATEWAY_PORT))  # fmt: skip
+    gateway = (py, "-m", "kvturn.gateway.ops.cli", "serve", "--prefill", fake_url,
+               "--decode", fake_url, "--decode-control", fake_url,
+               "--port", str(GATEWAY_PORT))  # fmt: skip
     untracked = (*gateway[:-1], str(UNTRACKED_PORT), "--implicit-conversations", "off")
     redis_bin = shutil.which("redis-server")
     with_redis = not args.no_redis and redis_bin is not None
@@ -582,7 +583,7 @@ def write_results(
         f"Command: `.venv/bin/python benchmarks/gateway_overhead.py{quick}` ({took:.0f} s)  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; {os.cpu_count()} CPU cores shared by the fake "
         "engine, the routers and the load generator (one process: kvturn's HTTP/1.1 client, "
-        "`kvturn.gateway.http1`, on uvloop; at high concurrency it is part of what is "
+        "`kvturn.gateway.http.client`, on uvloop; at high concurrency it is part of what is "
         "measured).  ",
         f"Requests per kind: c=1: {counts[1]}, interleaved request by request across the kinds "
         "(a slow moment of the machine lands on all alike), req/s = 1 / mean latency; "

@@ -46,7 +46,7 @@ def commands(py: str) -> dict[str, tuple[tuple[str, ...], str]]:
     fake = f"http://127.0.0.1:{FAKE_PORT}"
     found: dict[str, tuple[tuple[str, ...], str]] = {
         "kvturn": (
-            (py, "-m", "kvturn.gateway.cli", "serve", "--prefill", fake, "--decode", fake,
+            (py, "-m", "kvturn.gateway.ops.cli", "serve", "--prefill", fake, "--decode", fake,
              "--decode-control", fake, "--port", str(PORTS["kvturn"]),
              "--read-timeout-s", str(READ_TIMEOUT_S),
              "--max-connections", str(MAX_CONNECTIONS)),

@@ -59,7 +59,7 @@ def _gateway(state: dict[str, Any], port: int, *settings: str) -> Any:
         ("prefill", "--prefill"), ("prefill_control", "--prefill-control"),
         ("decode", "--decode"), ("decode_control", "--decode-control"),
     ) for url in state.get(key) or [] if url]  # fmt: skip
-    command = (sys.executable, "-m", "kvturn.gateway.cli", "serve", "--port", str(port),
+    command = (sys.executable, "-m", "kvturn.gateway.ops.cli", "serve", "--port", str(port),
                "--transfer", state["transfer"], *(p for pair in engines for p in pair),
                *settings)  # fmt: skip
     return server(*command, port=port, env={CONTROL_SECRET_ENV: state["control_secret"]})

@@ -142,7 +142,7 @@ def gateway(
     would share the interpreter, and its lock, with the client that measures it."""
     engines = [(flag, url) for key, flag in (("prefill", "--prefill"), ("decode", "--decode"),
                ("decode_control", "--decode-control")) for url in state[key]]  # fmt: skip
-    command = (sys.executable, "-m", "kvturn.gateway.cli", "serve", "--port", str(port),
+    command = (sys.executable, "-m", "kvturn.gateway.ops.cli", "serve", "--port", str(port),
                *(part for pair in engines for part in pair), *settings)  # fmt: skip
     return server(*command, port=port, env={CONTROL_SECRET_ENV: state["control_secret"]})
 

@@ -100,7 +100,7 @@ up() {
     for name in p d1 d2; do
         # shellcheck disable=SC2086  # the extra flags are words
         start_on "$dir" "$name" env UCX_TLS=tcp KVTURN_CONTROL_SECRET="$secret" \
-            "$PYTHON" -m kvturn.gateway.cli engine --role "${role[$name]}" --model "$MODEL" \
+            "$PYTHON" -m kvturn.gateway.ops.cli engine --role "${role[$name]}" --model "$MODEL" \
             --host "${ADDRESS[$name]}" --port 8000 --side-channel-port 5600 \
             --control-port 8300 --cpu "${core[$name]}" ${KVTURN_HOSTS_ENGINE_FLAGS:-}
     done
@@ -126,7 +126,7 @@ url = "http://${ADDRESS[d2]}:8000"
 EOF
     for name in p d1 d2; do wait_healthy "$dir" "$name" "http://${ADDRESS[$name]}:8000"; done
     start_on "$dir" gw env KVTURN_CONTROL_SECRET="$secret" \
-        "$PYTHON" -m kvturn.gateway.cli serve --config "$dir/deploy.toml"
+        "$PYTHON" -m kvturn.gateway.ops.cli serve --config "$dir/deploy.toml"
     wait_healthy "$dir" gw "http://${ADDRESS[gw]}:8000" 60
 
     local model_name

@@ -72,7 +72,7 @@ def main() -> int:
 
     state_file = Path(tempfile.mkdtemp(prefix="kvturn-demo-")) / "state.json"
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", args.model,
+        [sys.executable, "-m", "kvturn.gateway.ops.cli", "up", "--model", args.model,
          "--port", str(args.port), "--state-file", str(state_file),
          # The "vLLM P/D" replay goes to the engines as plain P/D: decode keeps none of it.
          "--no-retain-untracked"],

@@ -80,7 +80,7 @@ fi
 
 .venv/bin/python - <<'PY'
 import importlib
-for name in ("vllm", "nixl._api", "kvturn.connector.nixl", "kvturn.gateway.cli", "kvturn.client"):
+for name in ("vllm", "nixl._api", "kvturn.connector.nixl", "kvturn.gateway.ops.cli", "kvturn.client"):
     importlib.import_module(name)
 PY
 echo "$fingerprint" >"$stamp"

@@ -98,7 +98,7 @@ def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
     state_file = work / "state.json"
     log_path = work / "kvturn-up.log"
     command = [
-        sys.executable, "-m", "kvturn.gateway.cli", "up",
+        sys.executable, "-m", "kvturn.gateway.ops.cli", "up",
         "--model", "tiny",
         "--base-port", str(TEST_BASE_PORT),
         "--kv-ttl", str(TEST_KV_TTL_S),

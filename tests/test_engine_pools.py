@@ -41,7 +41,7 @@ def test_a_conversation_reuses_on_whichever_decode_holds_it(
     _stop_session_pair(local_pair)
     state_file = tmp_path / "state.json"
     command = [
-        sys.executable, "-m", "kvturn.gateway.cli", "up", "--model", "tiny",
+        sys.executable, "-m", "kvturn.gateway.ops.cli", "up", "--model", "tiny",
         "--prefill", "1", "--decode", "2", "--base-port", str(POOL_BASE_PORT),
         "--port", str(POOL_BASE_PORT - 10), "--kv-ttl", "120",
         "--log-dir", str(tmp_path / "logs"), "--state-file", str(state_file),

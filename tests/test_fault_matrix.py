@@ -20,7 +20,12 @@ import pytest
 
 from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.digests import message_digests, seed
-from kvturn.gateway.launch.engines import EngineProcess, EngineSpec, KVSettings, wait_until_healthy
+from kvturn.gateway.ops.launch.engines import (
+    EngineProcess,
+    EngineSpec,
+    KVSettings,
+    wait_until_healthy,
+)
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import long_prompt, single_engine_ids
 from tests.gateway_fixtures import (

@@ -28,7 +28,7 @@ import pytest
 from kvturn import control
 from kvturn.gateway.auth import ApiKeys
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.launch.engines import EngineProcess, wait_until_healthy
+from kvturn.gateway.ops.launch.engines import EngineProcess, wait_until_healthy
 from kvturn.gateway.server import GatewayThread
 from tests.conftest import LocalPair
 from tests.engine_requests import (
@@ -613,7 +613,7 @@ def test_kvturn_serve_in_front_of_running_engines(local_pair: LocalPair) -> None
     """``kvturn serve`` as a user runs it, in its own process, in front of the pair."""
     port = free_port()
     command = [
-        sys.executable, "-m", "kvturn.gateway.cli", "serve",
+        sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
         "--prefill", local_pair.prefill_url, "--decode", local_pair.decode_url,
         "--decode-control", local_pair.decode_control_url, "--port", str(port),
     ]  # fmt: skip

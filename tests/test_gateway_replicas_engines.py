@@ -47,7 +47,7 @@ class Replica:
 
     def start(self) -> Replica:
         command = [
-            sys.executable, "-m", "kvturn.gateway.cli", "serve",
+            sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
             "--prefill", self.pair.prefill_url, "--decode", self.pair.decode_url,
             "--decode-control", self.pair.decode_control_url,
             "--port", str(self.port), "--state", self.state,

@@ -20,7 +20,7 @@ import pytest
 
 from kvturn.client import OpenAI as KvturnOpenAI
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.launch.engines import EngineProcess, KVSettings, wait_until_healthy
+from kvturn.gateway.ops.launch.engines import EngineProcess, KVSettings, wait_until_healthy
 from tests.conftest import TEST_KV_TTL_S, LocalPair
 from tests.engine_requests import (
     KV_BYTES_PER_TOKEN,

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from kvturn.gateway.config import GatewayConfig, endpoints
-from kvturn.gateway.launch.engines import (
+from kvturn.gateway.ops.launch.engines import (
     Deployment,
     EngineProcess,
     KVSettings,

@@ -15,8 +15,8 @@ from urllib.parse import quote
 import orjson
 from tenacity import AsyncRetrying, retry_if_result, stop_after_attempt, wait_exponential
 
-from kvturn.gateway.http1 import HttpError
-from kvturn.gateway.upstream import Upstream
+from kvturn.gateway.http.client import HttpError
+from kvturn.gateway.http.upstream import Upstream
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from kvturn.gateway.config import EngineEndpoint
 from kvturn.gateway.errors import NoHealthyEngine
-from kvturn.gateway.upstream import Upstream
+from kvturn.gateway.http.upstream import Upstream
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -1,5 +1,6 @@
-"""Run the gateway (:mod:`.http_server`) in the foreground, on a background thread, or as
-several worker processes on one port.
+"""Run the gateway (its app on :mod:`kvturn.gateway.http.server`, within the limits its
+configuration sets) in the foreground, on a background thread, or as several worker processes
+on one port.
 
 Workers (``kvturn serve --workers N``): N processes, each a whole gateway listening on the
 same port with ``SO_REUSEPORT`` (the kernel spreads connections across them), started and
@@ -29,7 +30,7 @@ from starlette.applications import Starlette
 
 from kvturn.gateway.app import create_app
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.http_server import HttpServer
+from kvturn.gateway.http.server import HttpServer, ServerLimits
 from kvturn.gateway.metrics import MULTIPROC_DIR_ENV
 from kvturn.gateway.state.redis_client import uses_redis
 
@@ -43,6 +44,16 @@ logger = logging.getLogger("kvturn.gateway")
 #: 187 µs (239 µs streamed) at 700; 178 µs (215 µs) at 7,000; 20,000 and 50,000 no better.
 #: Cyclic garbage waits a little longer: at most this many objects.
 GC_YOUNG_THRESHOLD = 7000
+
+
+def server_limits(config: GatewayConfig) -> ServerLimits:
+    """The HTTP server's limits the gateway's configuration sets (the rest: the server's)."""
+    return ServerLimits(
+        max_body_bytes=config.max_body_bytes,
+        body_budget_bytes=config.body_budget_bytes,
+        read_timeout_s=config.read_timeout_s,
+        max_connections=config.max_connections,
+    )
 
 
 def _configure_logging() -> None:
@@ -78,7 +89,9 @@ def serve(
 async def _serve_until_signalled(
     config: GatewayConfig, host: str, port: int, *, reuse_port: bool, ready: Any = None
 ) -> None:
-    server = HttpServer(create_app(config), host, port, reuse_port=reuse_port)
+    server = HttpServer(
+        create_app(config), host, port, limits=server_limits(config), reuse_port=reuse_port
+    )
     try:
         await server.start()
     except OSError as error:
@@ -208,6 +221,7 @@ class GatewayThread:
 
     def __init__(self, config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000):
         self.app: Starlette = create_app(config)
+        self.limits = server_limits(config)
         self.host = host
         self.port = port
         self.url = f"http://{host}:{port}"
@@ -223,7 +237,7 @@ class GatewayThread:
         uvloop.run(self._main())
 
     async def _main(self) -> None:
-        server = self.server = HttpServer(self.app, self.host, self.port)
+        server = self.server = HttpServer(self.app, self.host, self.port, limits=self.limits)
         try:
             await server.start()
         except BaseException as error:

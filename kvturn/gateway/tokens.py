@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
+from kvturn.gateway.http.upstream import Upstream, UpstreamUnavailable
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from kvturn.gateway.cli import build_parser, engine_specs, up_lease_s
 from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.ops.cli import build_parser
+from kvturn.gateway.ops.up import engine_specs, up_lease_s
 
 
 def test_environment_then_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +167,7 @@ def test_decode_kv_blocks_caps_only_the_decodes(tmp_path: Path) -> None:
 def test_serve_refuses_an_open_gateway_on_a_public_address(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvturn.gateway import cli
+    from kvturn.gateway.ops import cli
 
     monkeypatch.delenv("KVTURN_API_KEYS", raising=False)
     monkeypatch.delenv("KVTURN_API_KEYS_FILE", raising=False)
@@ -213,7 +214,7 @@ control_url = "http://10.0.0.3:8300"
 
 
 def _serve_settings(argv: list[str]) -> tuple[GatewayConfig, str, int, bool]:
-    from kvturn.gateway.cli import serve_settings
+    from kvturn.gateway.ops.serve import serve_settings
 
     return serve_settings(build_parser().parse_args(["serve", *argv]))
 
@@ -305,7 +306,8 @@ def test_decodes_listed_once_find_their_control_servers_by_port(
 def test_kvturn_engine_runs_an_engine_on_its_hosts_address(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvturn.gateway.cli import engine_spec, main
+    from kvturn.gateway.ops.cli import main
+    from kvturn.gateway.ops.engine import engine_spec
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     args = build_parser().parse_args(
@@ -393,7 +395,7 @@ def test_up_device_cuda_gives_gpu_engines_without_cpu_settings(tmp_path: Path) -
 
 
 def test_kvturn_engine_keeps_the_hub_reachable_for_a_model_id(tmp_path: Path) -> None:
-    from kvturn.gateway.cli import engine_spec
+    from kvturn.gateway.ops.engine import engine_spec
 
     hub = engine_spec(
         build_parser().parse_args(["engine", "--role", "decode", "--model", "org/name"])

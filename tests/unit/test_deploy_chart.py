@@ -29,9 +29,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvturn.gateway.cli import build_parser, serve_settings
-from kvturn.gateway.config_file import load_deployment
-from kvturn.gateway.launch.engines import EngineSpec
+from kvturn.gateway.ops.cli import build_parser
+from kvturn.gateway.ops.config_file import load_deployment
+from kvturn.gateway.ops.launch.engines import EngineSpec
+from kvturn.gateway.ops.serve import serve_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "kvturn"
@@ -574,7 +575,7 @@ def test_existing_secrets_make_the_rendering_reproducible(chart: helm_python.Cha
 
 
 def test_readiness_is_documented_as_health_answers() -> None:
-    """/health answers 200 while either pool can serve (kvturn/gateway/app.py): the chart's
+    """/health answers 200 while either pool can serve (kvturn/gateway/api/routes.py): the chart's
     comments, notes and README say that, not "both pools"."""
     texts = {
         path.name: " ".join(path.read_text().split())

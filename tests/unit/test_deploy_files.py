@@ -9,8 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from kvturn.gateway.cli import build_parser, engine_specs
 from kvturn.gateway.metrics import GatewayMetrics
+from kvturn.gateway.ops.cli import build_parser
+from kvturn.gateway.ops.up import engine_specs
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvturn.gateway.launch import engines
-from kvturn.gateway.launch.engines import EngineError, KVSettings, plan_specs, preflight
-from kvturn.gateway.launch.local_models import ensure_model
+from kvturn.gateway.ops.launch import engines
+from kvturn.gateway.ops.launch.engines import EngineError, KVSettings, plan_specs, preflight
+from kvturn.gateway.ops.launch.local_models import ensure_model
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,11 @@ def test_no_bound_unless_the_request_provably_extends_the_held_one(change: str) 
 def _tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer
 
-    from kvturn.gateway.launch.local_models import chat_template, ensure_model, smollm2_gguf_path
+    from kvturn.gateway.ops.launch.local_models import (
+        chat_template,
+        ensure_model,
+        smollm2_gguf_path,
+    )
 
     if model == "tiny":
         tokenizer = AutoTokenizer.from_pretrained(str(ensure_model("tiny")))

@@ -345,7 +345,7 @@ def test_a_conversation_id_that_would_split_the_reply_head_is_refused(
 
 
 def test_response_headers_unsafe_to_send_are_dropped() -> None:
-    from kvturn.gateway.http_server import header_lines
+    from kvturn.gateway.http.exchange import header_lines
 
     lines = header_lines(
         [

@@ -102,7 +102,7 @@ def test_workers_share_one_port_and_one_table(fake_url: str, redis_server: Redis
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
-        sys.executable, "-m", "kvturn.gateway.cli", "serve",
+        sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
         "--prefill", fake_url, "--decode", fake_url, "--decode-control", fake_url,
         "--port", str(port), "--workers", "2", "--state", redis_server.url,
     ]  # fmt: skip

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvturn.gateway.http1 import HttpClient, HttpError
+from kvturn.gateway.http.client import HttpClient, HttpError
 
 
 class Server:

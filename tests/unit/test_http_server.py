@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -243,7 +244,7 @@ def test_turns_pass_through_the_apps_lifespan_and_middleware(fake_url: str) -> N
     import asyncio
 
     from kvturn.gateway.app import create_app
-    from kvturn.gateway.http_server import HttpServer
+    from kvturn.gateway.http.server import HttpServer
 
     async def scenario() -> list[httpx.Response]:
         config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url]))
@@ -278,11 +279,13 @@ def test_idle_connections_are_closed(fake_url: str) -> None:
     import asyncio
 
     from kvturn.gateway.app import create_app
-    from kvturn.gateway.http_server import HttpServer
+    from kvturn.gateway.http.server import HttpServer
+    from kvturn.gateway.server import server_limits
 
     async def scenario() -> bool:
         config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url]))
-        server = HttpServer(create_app(config), port=0, keep_alive_s=0.2)
+        limits = dataclasses.replace(server_limits(config), keep_alive_s=0.2)
+        server = HttpServer(create_app(config), port=0, limits=limits)
         await server.start()
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -316,3 +319,16 @@ def test_graceful_stop_lets_in_flight_requests_finish(fake_url: str) -> None:
         assert answers == [200]
         with pytest.raises(httpx.ConnectError):
             httpx.get(running.url + "/health")
+
+
+def test_the_servers_default_limits_are_the_gateways() -> None:
+    """The server takes its limits as arguments (it reads no configuration); the gateway
+    passes its own, and the server's defaults are the same values."""
+    from kvturn.gateway.http.server import ServerLimits
+    from kvturn.gateway.server import server_limits
+
+    assert server_limits(GatewayConfig()) == ServerLimits()
+    config = GatewayConfig(max_body_bytes=10, body_budget_bytes=20, read_timeout_s=3.0)
+    limits = server_limits(dataclasses.replace(config, max_connections=40))
+    assert (limits.max_body_bytes, limits.body_budget_bytes) == (10, 20)
+    assert (limits.read_timeout_s, limits.max_connections) == (3.0, 40)

@@ -227,7 +227,7 @@ def test_the_connection_cap_stays_under_the_file_descriptor_limit(
 ) -> None:
     import resource
 
-    from kvturn.gateway import http_server
+    from kvturn.gateway.http import server as http_server
 
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
     assert http_server._connection_cap(4096) == 1024 - http_server._FD_RESERVE

@@ -332,8 +332,8 @@ def test_leases_of_requests_another_proxy_drives_are_never_reclaimed() -> None:
 async def test_a_release_that_cannot_reach_its_decode_is_tried_again() -> None:
     import asyncio
 
+    from kvturn.gateway.http.upstream import Upstream
     from kvturn.gateway.leases import LeaseClient
-    from kvturn.gateway.upstream import Upstream
 
     calls: list[bytes] = []
     answers = [None, (200, b'{"released": true}'), (404, b'{"released": false}')]

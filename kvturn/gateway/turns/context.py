@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvturn.gateway.config import GatewayConfig
+from kvturn.gateway.http.upstream import Upstream
 from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import CostModel, LocalLimits
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.state.table import ConversationTable
-from kvturn.gateway.upstream import Upstream
 
 
 @dataclass(slots=True, eq=False)

@@ -15,6 +15,7 @@ import orjson
 from kvturn import headers as h
 from kvturn.gateway.digests import reply_message
 from kvturn.gateway.errors import NoHealthyEngine
+from kvturn.gateway.http.upstream import UpstreamUnavailable
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
@@ -32,7 +33,6 @@ from kvturn.gateway.turns.model import (
 )
 from kvturn.gateway.turns.relay import Relay
 from kvturn.gateway.turns.settle import After, Settlement
-from kvturn.gateway.upstream import UpstreamUnavailable
 from kvturn.kv_params import PREFIX_DIGESTS_KEY
 
 logger = logging.getLogger("kvturn.gateway")

@@ -8,6 +8,7 @@ import logging
 import time
 
 from kvturn.gateway.errors import NoHealthyEngine, UpstreamError
+from kvturn.gateway.http.upstream import UpstreamResponse, UpstreamUnavailable
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
@@ -25,7 +26,6 @@ from kvturn.gateway.turns.model import (
     status_text,
 )
 from kvturn.gateway.turns.placement import choose_prefill
-from kvturn.gateway.upstream import UpstreamResponse, UpstreamUnavailable
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -10,6 +10,7 @@ import os
 import time
 
 from kvturn.gateway.errors import NoHealthyEngine
+from kvturn.gateway.http.upstream import UpstreamUnavailable
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
@@ -27,7 +28,6 @@ from kvturn.gateway.turns.model import (
 )
 from kvturn.gateway.turns.placement import choose_prefill
 from kvturn.gateway.turns.relay import cancel_reply, streamed
-from kvturn.gateway.upstream import UpstreamUnavailable
 
 logger = logging.getLogger("kvturn.gateway")
 

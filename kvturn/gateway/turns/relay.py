@@ -12,11 +12,11 @@ import orjson
 
 from kvturn.gateway.digests import ReplyCollector
 from kvturn.gateway.errors import UpstreamError
+from kvturn.gateway.http.upstream import StreamResponse, UpstreamUnavailable, next_chunk
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
 from kvturn.gateway.turns.model import PrefillResult
 from kvturn.gateway.turns.settle import After, Settlement
-from kvturn.gateway.upstream import StreamResponse, UpstreamUnavailable, next_chunk
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -15,6 +15,7 @@ import time
 from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.errors import NoHealthyEngine, UpstreamError
+from kvturn.gateway.http.upstream import Upstream
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
@@ -27,7 +28,6 @@ from kvturn.gateway.turns.model import DecodeFailed, PrefillResult, Turn
 from kvturn.gateway.turns.push import PushDispatch
 from kvturn.gateway.turns.reuse import ReuseStep
 from kvturn.gateway.turns.settle import Settlement
-from kvturn.gateway.upstream import Upstream
 
 #: A decode-local turn's request reaches the holder's engine core within this long of being
 #: sent (its API server renders and tokenizes it first): the engine steps often meanwhile.

@@ -154,7 +154,7 @@ class EngineSpec:
         }
 
     def command(self, python: str = sys.executable) -> list[str]:
-        from kvturn.gateway.launch.local_models import chat_template_path
+        from kvturn.gateway.ops.launch.local_models import chat_template_path
 
         argv = [
             python, "-m", "vllm.entrypoints.openai.api_server",

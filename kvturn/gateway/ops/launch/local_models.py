@@ -54,7 +54,11 @@ def kvturn_home() -> Path:
 
 def chat_template() -> str:
     """The ChatML chat template with tool calls and tool results that both models use."""
-    return resources.files("kvturn.gateway").joinpath("templates/chatml_tools.jinja").read_text()
+    return (
+        resources.files("kvturn.gateway.ops.launch")
+        .joinpath("templates/chatml_tools.jinja")
+        .read_text()
+    )
 
 
 def ensure_model(name: str, home: Path | None = None) -> Path:
@@ -240,4 +244,6 @@ def build_smollm2(target: Path) -> None:
 
 def chat_template_path() -> Path:
     """Path of the chat template file (engines take it with ``--chat-template``)."""
-    return Path(str(resources.files("kvturn.gateway").joinpath("templates/chatml_tools.jinja")))
+    return Path(
+        str(resources.files("kvturn.gateway.ops.launch").joinpath("templates/chatml_tools.jinja"))
+    )

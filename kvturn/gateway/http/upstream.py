@@ -1,4 +1,5 @@
-"""The gateway's client to the engines: JSON in and out over :mod:`.http1`."""
+"""The gateway's client to the engines: JSON in and out over :mod:`.client`, the engines' API
+key on every request, transport failures as :class:`UpstreamUnavailable`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from kvturn.gateway.http1 import HttpClient, HttpError, Response, StreamResponse
+from kvturn.gateway.http.client import HttpClient, HttpError, Response, StreamResponse
 
 __all__ = ["StreamResponse", "Upstream", "UpstreamResponse", "UpstreamUnavailable", "next_chunk"]
 

@@ -423,7 +423,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     return run(args.url, args.interval, args.once, args.api_key)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``kvturn top`` on the CLI's subcommands."""
     top = sub.add_parser("top", help="live view of a running gateway (metrics, leases, engines)")
     top.add_argument(

@@ -43,7 +43,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    from kvturn.gateway.cli import main as run
+    from kvturn.gateway.ops.cli import main as run
 
     return run()
 

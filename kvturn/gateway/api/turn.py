@@ -1,0 +1,179 @@
+"""The turn endpoints (chat completions, completions, responses): a request's body and headers
+read and checked, its conversation id found, and the turn handed to the gateway's
+:class:`~kvturn.gateway.turns.TurnRunner`; a Responses request is served as the chat turn it
+amounts to (:mod:`kvturn.gateway.responses`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+from kvturn import headers as h
+from kvturn.gateway.api.authenticate import TENANT_SCOPE_KEY
+from kvturn.gateway.auth import tenant_salt
+from kvturn.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest
+from kvturn.gateway.instance import Gateway
+from kvturn.gateway.metrics import GatewayMetrics
+from kvturn.gateway.replies import Reply, error_reply, send_reply
+from kvturn.gateway.responses.reply import answer_as_response
+from kvturn.gateway.responses.translate import RESPONSES_PATH, Translated, translate
+from kvturn.gateway.tokens import CHAT_PATH
+from kvturn.gateway.turns.model import Turn
+from kvturn.gateway.validation import check_request
+
+logger = logging.getLogger("kvturn.gateway")
+
+#: The turn endpoints.
+TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PATH})
+
+#: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
+_TURN_HEADERS = {
+    name.lower().encode("latin-1"): name
+    for name in (h.CONVERSATION_ID, h.SESSION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND)
+}
+
+
+class TurnEndpoint:
+    """The turn endpoints (``TURN_PATHS``, POST): a raw ASGI endpoint among the app's routes,
+    so the lifespan and every middleware (authentication, and any an operator adds) apply to
+    turns as to every other route. It skips Starlette's request and response classes: this
+    is the hot path (see :mod:`kvturn.gateway.replies`)."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            body = await _read_body(receive, self.gateway.config.max_body_bytes)
+        except GatewayError as error:
+            reply = error_reply(error)
+        else:
+            reply = await serve_turn(
+                self.gateway, scope["path"], scope["headers"], body, scope[TENANT_SCOPE_KEY]
+            )
+        await send_reply(reply, receive, send)
+
+
+async def serve_turn(
+    gateway: Gateway,
+    path: str,
+    raw_headers: Iterable[tuple[bytes, bytes]],
+    raw_body: bytes,
+    tenant: str,
+) -> Reply:
+    """One request to a turn endpoint (``path`` in ``TURN_PATHS``) by an authenticated
+    ``tenant``. ``raw_headers`` as ASGI gives them (lower-case names, bytes)."""
+    headers: dict[str, str] = {}
+    for name, value in raw_headers:
+        wanted = _TURN_HEADERS.get(name)
+        if wanted is not None:
+            headers[wanted] = value.decode("latin-1")
+    try:
+        # The fields the gateway reads are checked here; everything else about the request is
+        # the engine's to judge: prefill refuses a bad request before any work, with vLLM's
+        # own error, which the client gets unchanged.
+        body = _parse_body(raw_body)
+        given = headers.get(h.CONVERSATION_ID)
+        if given is None:
+            given = headers.get(h.SESSION_ID)
+        responses: Translated | None = None
+        if path == RESPONSES_PATH:
+            # Served as the chat turn it amounts to, and answered the Responses way.
+            responses = await translate(body, gateway.responses, tenant)
+            path, body = CHAT_PATH, responses.chat
+            if given is None:
+                given = responses.conversation_id
+        check_request(path, body)
+        conversation_id = _conversation_id(given, body)
+        turn_id = headers.get(h.TURN_ID)
+        if turn_id is not None and len(turn_id) > 128:
+            raise InvalidRequest("turn id is longer than 128 characters")
+        if tenant:
+            # Prefix caches (and so reuse) are never shared across tenants.
+            body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
+        pause = _record_pause(gateway.metrics, headers)
+        turn = Turn(path, body, conversation_id, turn_id, pause=pause, tenant=tenant)
+        reply = await gateway.runner.run(turn)
+        if responses is not None:
+            return await answer_as_response(responses, reply, gateway.responses, tenant)
+        return reply
+    except GatewayError as error:
+        if error.status >= 500:
+            logger.warning("turn failed: %s", error.message)
+        return error_reply(error)
+    except Exception:
+        logger.exception("unexpected error serving %s", path)
+        return error_reply(GatewayError("internal gateway error"))
+
+
+async def _read_body(receive: Any, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _conversation_id(header: str | None, body: dict[str, Any]) -> str | None:
+    """From the header (``X-Conversation-Id``, else vllm-router's ``X-Session-ID``), else a
+    ``conversation_id`` body field, else OpenAI's ``prompt_cache_key``."""
+    value: Any = header
+    if value is None:
+        value = body.pop("conversation_id", None)
+        if value is None:
+            value = body.get("prompt_cache_key")
+    else:
+        body.pop("conversation_id", None)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest("conversation id must be a string", param="conversation_id")
+    check_conversation_id(value)
+    return value
+
+
+def check_conversation_id(value: str) -> None:
+    """Refuse (400) a conversation id the gateway does not take."""
+    if not h.is_valid_conversation_id(value):
+        raise InvalidRequest(
+            f"invalid conversation id: 1-{h.CONVERSATION_ID_MAX_LEN} characters of "
+            "letters, digits, '.', '_', ':' or '-'",
+            param="conversation_id",
+        )
+
+
+def _record_pause(metrics: GatewayMetrics, headers: dict[str, str]) -> tuple[str, float] | None:
+    """The pause the client reports before this turn, if it is a sane one: (kind, ms)."""
+    pause_ms = headers.get(h.PAUSE_MS)
+    kind = headers.get(h.PAUSE_KIND)
+    if pause_ms is None or kind not in ("tool", "user"):
+        return None
+    try:
+        ms = float(pause_ms)
+    except ValueError:
+        return None
+    if not math.isfinite(ms) or ms < 0:
+        return None  # nan or inf would poison the histogram (and the decode's pause model)
+    ms = min(ms, h.MAX_PAUSE_MS)  # 1e308 is a week, not a value to skew eviction with
+    metrics.pauses_by[kind].observe(ms / 1000)
+    return kind, ms

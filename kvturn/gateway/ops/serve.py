@@ -1,0 +1,127 @@
+"""``kvturn serve``: the gateway in front of running engines, its settings from defaults, a
+deployment file (:mod:`.config_file`), ``KVTURN_*`` variables and flags, in that order."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from collections.abc import Callable
+
+from kvturn.gateway.config import GatewayConfig, endpoints, parse_flag
+
+#: Gateway settings that ``kvturn serve`` takes as flags (each also has a KVTURN_* variable).
+_GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
+    "lease_s": (float, "conversation lease without turns or heartbeats, seconds"),
+    "expiry_margin_s": (float, "never reuse KV this close to its expiry, seconds"),
+    "reuse_threshold_tokens": (int, "reuse only when at least this many tokens are held"),
+    "max_conversations": (int, "conversations remembered at once (LRU beyond)"),
+    "max_body_bytes": (int, "largest request body accepted"),
+    "body_budget_bytes": (int, "request body bytes held at once, all connections (503 past it)"),
+    "read_timeout_s": (float, "a request must arrive whole this soon, seconds (else 408)"),
+    "max_connections": (int, "client connections open at once (503 past it)"),
+    "connect_timeout_s": (float, "engine connect timeout, seconds"),
+    "request_timeout_s": (float, "upper bound on one engine request, seconds"),
+    "health_interval_s": (float, "engine health-check period, seconds"),
+    "publish_wait_s": (float, "wait for decode to publish retained KV, seconds"),
+    "decode_local": (parse_flag, "on/off: short turns continue on the decode holding the history"),
+    "max_local_suffix_tokens": (int, "longest new suffix a holder decode prefills itself"),
+    "max_local_running": (int, "requests a holder may be serving for a decode-local turn"),
+    "local_stall_weight": (float, "weight of the delay a local prefill costs other streams"),
+    "local_preference": (float, "a local prefill may be predicted this much slower than a pull"),
+    "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
+    "max_responses": (int, "Responses API responses kept in process for chaining (LRU beyond)"),
+    "responses_ttl_s": (float, "how long a stored Responses API response is kept, seconds"),
+    "state": (str, "stored state: memory (this process) or redis://host:port/db (shared)"),
+    "state_timeout_s": (float, "longest wait on the state store per operation, seconds"),
+    "decode_control_port": (
+        int,
+        "control port of decodes given without a control URL: http://<decode host>:<port>",
+    ),
+    "transfer": (str, "pull (decode reads from prefill) or push (prefill writes to decode)"),
+    "push_write_timeout_s": (float, "push: seconds decode may await pushed KV (then alone)"),
+}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvturn.gateway.server import serve
+
+    config, host, port, allow_open = serve_settings(args)
+    if config.api_keys.open and not _loopback(host) and not allow_open:
+        raise SystemExit(
+            f"kvturn serve: refusing to listen on {host} without API keys (anyone who "
+            "can reach it could use and end every conversation); set KVTURN_API_KEYS or "
+            "KVTURN_API_KEYS_FILE, or pass --allow-open"
+        )
+    serve(config, host=host, port=port, workers=args.workers)
+    return 0
+
+
+def serve_settings(args: argparse.Namespace) -> tuple[GatewayConfig, str, int, bool]:
+    """``kvturn serve``'s gateway settings, address and openness: defaults, then the
+    deployment file (``--config``), then ``KVTURN_*`` variables, then flags."""
+    from kvturn.gateway.ops.config_file import DeploymentFile, load_deployment
+
+    deployment = load_deployment(args.config) if args.config else DeploymentFile()
+    flags: dict[str, object] = {name: getattr(args, name) for name in _GATEWAY_TUNABLES}
+    if args.prefill:
+        flags["prefill"] = endpoints(args.prefill, args.prefill_control)
+    if args.decode:
+        flags["decode"] = endpoints(args.decode, args.decode_control)
+    config = GatewayConfig.from_env(
+        base={**deployment.gateway, **deployment.endpoints()},
+        api_keys_file=deployment.auth.api_keys_file,
+        **flags,
+    )
+    if not config.prefill or not config.decode:
+        raise SystemExit(
+            "kvturn serve: give at least one prefill and one decode engine (--prefill URL "
+            "--decode URL, KVTURN_PREFILL_URLS/KVTURN_DECODE_URLS, or a --config file)"
+        )
+    host = args.host or deployment.host or "127.0.0.1"
+    port = args.port or deployment.port or 8000
+    allow_open = bool(args.allow_open or deployment.allow_open)
+    return config, host, port, allow_open
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvturn serve``."""
+    srv = sub.add_parser("serve", help="run the gateway in front of running engines")
+    srv.add_argument("--prefill", action="append", default=[], help="prefill engine URL")
+    srv.add_argument("--decode", action="append", default=[], help="decode engine URL")
+    srv.add_argument(
+        "--decode-control", action="append", default=[],
+        help="kvturn control URL of each decode engine, in --decode order",
+    )  # fmt: skip
+    srv.add_argument(
+        "--prefill-control", action="append", default=[],
+        help="push: kvturn control URL of each prefill engine, in --prefill order",
+    )  # fmt: skip
+    srv.add_argument(
+        "--config", default=None,
+        help="a deployment file (TOML: pools, addresses, auth, settings; flags override it)",
+    )  # fmt: skip
+    srv.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    srv.add_argument(
+        "--workers", type=int, default=1,
+        help="gateway processes on the port (share state with --state redis://…)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--allow-open", action="store_true",
+        help="listen on a non-loopback address without API keys (anyone may call)",
+    )  # fmt: skip
+    for name, (kind, text) in _GATEWAY_TUNABLES.items():
+        flag = "--" + name.replace("_", "-")
+        srv.add_argument(
+            flag, dest=name, type=kind, default=None, help=f"{text} (env KVTURN_{name.upper()})"
+        )
+    srv.set_defaults(func=cmd_serve)
