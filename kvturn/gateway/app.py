@@ -49,7 +49,7 @@ from kvturn.gateway.turns.model import Turn
 from kvturn.gateway.turns.runner import TurnRunner
 from kvturn.gateway.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.validation import check_request
-from kvturn.kv_params import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY, MAX_LEASE_KEY
+from kvturn.wire import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY, MAX_LEASE_KEY
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvturn.gateway.config import CONTROL_SECRET_ENV, GatewayConfig, endpoints, parse_flag
+from kvturn.gateway.config import GatewayConfig, endpoints, parse_flag
 from kvturn.gateway.launch.engines import (
     Deployment,
     EngineError,
@@ -31,6 +31,7 @@ from kvturn.gateway.launch.engines import (
 )
 from kvturn.gateway.launch.local_models import MODEL_NAMES, ensure_model, kvturn_home
 from kvturn.gateway.top import add_parser as add_top_parser
+from kvturn.wire import CONTROL_SECRET_ENV
 
 if TYPE_CHECKING:
     from kvturn.gateway.server import GatewayThread, GatewayWorkers

@@ -28,7 +28,7 @@ from kvturn.gateway.planner import (
     choose_reuse,
     plan_turn,
 )
-from kvturn.kv_params import last_prefix_digest, prefix_digests
+from kvturn.wire import last_prefix_digest, prefix_digests
 from tests.gateway_fixtures import RedisServer, running_redis
 
 HOLDER = "http://decode-0"
