@@ -22,7 +22,7 @@ import httptools
 import orjson
 import uvloop
 
-from kvturn.kv_params import PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
+from kvturn.wire import PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
 
 PROMPT_TOKENS = 1000
 

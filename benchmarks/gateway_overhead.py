@@ -51,7 +51,7 @@ import orjson
 import uvloop
 
 from kvturn.gateway.http.client import HttpClient
-from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
+from kvturn.wire import PREFILL_FOR_REMOTE_DECODE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import server, shown, tree_cpu_seconds

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PD_PARAMS
+from kvturn.wire import PREFILL_FOR_REMOTE_DECODE as PD_PARAMS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import cpu_share, local_pair

@@ -38,7 +38,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import local_pair, server
 
-from kvturn.gateway.config import CONTROL_SECRET_ENV
+from kvturn.wire import CONTROL_SECRET_ENV
 
 RESULTS = Path(__file__).parent / "results" / "push_pull.md"
 #: (input tokens, request rates per second, requests per rate): rates up to about what one

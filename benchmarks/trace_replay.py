@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import orjson
 
-from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
+from kvturn.wire import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import local_pair

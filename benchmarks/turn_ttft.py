@@ -40,7 +40,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import local_pair, server
 
-from kvturn.gateway.config import CONTROL_SECRET_ENV
+from kvturn.wire import CONTROL_SECRET_ENV
 
 RESULTS = Path(__file__).parent / "results" / "turn_ttft.md"
 #: 16k contexts work too (``--cases 16384:250``) but take ~10 min more here: each plan's turn 1

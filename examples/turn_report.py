@@ -236,7 +236,7 @@ class Recorder:
         return call
 
 
-#: What prefill gets in plain P/D (vLLM's NixlConnector protocol; as in kvturn.kv_params).
+#: What prefill gets in plain P/D (vLLM's NixlConnector protocol; as in kvturn.wire).
 _PREFILL_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from kvturn.gateway.ops.launch.engines import EngineSpec, KVSettings
-from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
+from kvturn.wire import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
 
 if TYPE_CHECKING:
     from tests.conftest import LocalPair

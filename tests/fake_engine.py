@@ -34,7 +34,7 @@ import json
 from typing import Any
 from urllib.parse import parse_qs
 
-from kvturn.kv_params import PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
+from kvturn.wire import PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
 
 Scope = dict[str, Any]
 

@@ -1,41 +1,12 @@
-"""A tiny HTTP server inside the decode engine process that answers the gateway.
+"""A tiny HTTP server inside the decode engine process that answers the gateway: the
+connector's side of the control channel whose routes, secret and bodies :mod:`kvturn.wire`
+declares.
 
 It runs on a daemon thread of the engine-core process (where the scheduler-side connector
-lives), on loopback by default. Every route but ``/kvturn/health`` needs
-``Authorization: Bearer <secret>`` when the engine has a secret (``KVTURN_CONTROL_SECRET`` in
-its environment, which ``kvturn up`` generates and gives to the engines and the gateway alike);
-anything else gets 401 and changes nothing. Routes (``{key}`` is the X-Request-Id the gateway
-sent with the turn):
-
-``GET /kvturn/retained/{key}?wait_ms=N``
-    The live lease's params (what a prefill needs to read the blocks) and ``expires_in_s``,
-    waiting up to N ms for the turn to finish; 404 with ``reason`` if there is none.
-``POST /kvturn/leases/{key}/claim``
-    A prefill is about to read the lease: it is held until the read ends. Answers the params,
-    with ``remote_blocks_expiry_time`` brought up to the lease's current deadline; 404 with
-    ``reason`` (``expired``, ``reclaimed``, ``released``, ``superseded``, ``read``, ``unknown``).
-``POST /kvturn/leases/{key}/renew``
-    Body ``{"lease_s": s, "pause_kind": "tool"|"user", "paused_ms": n}``: extend a live lease.
-    Answers ``{"expires_in_s": s}``, or 404 with ``reason``.
-``DELETE /kvturn/leases/{key}[?claimed=1]``
-    Free the blocks now (``claimed=1``: the caller's own claim is over, its read ended).
-``POST /kvturn/wake``
-    A turn is on its way to this engine: stop pacing idle steps (see
-    :class:`~kvturn.connector.engine_pacing.IdlePacer`). Every POST and DELETE also does this.
-    Body ``{"within_ms": n}`` (optional): the request itself arrives within ``n`` ms (at most
-    1000); step often until it does.
-``GET /kvturn/identity``
-    The engine's NIXL identity: ``engine_id``, ``side_channel_host``, ``side_channel_port``,
-    ``tp_size``, ``pp_size``, ``transfer_mode`` (``pull``/``push``). A push-mode gateway names
-    the prefill to the decode that registers its blocks with it before prefill has answered.
-``GET /kvturn/pushes/{key}?wait_ms=N``
-    Push mode, decode: ``{"state": "arrived"}`` once the KV a prefill pushed for the request has
-    arrived (waiting up to N ms for it), else ``awaiting`` (registered, nothing written yet) or
-    ``unknown`` (not scheduled yet, or not a push request).
-``GET /kvturn/leases``
-    Counters: live leases, blocks they hold, retained, renewed, claimed, ended by reason.
-``GET /kvturn/health``
-    ``{"ok": true}``.
+lives), on loopback by default, and serves the engine's :class:`LeaseTable`, its NIXL identity
+and (push mode, decode) its pushes' arrivals. Every route but
+:data:`~kvturn.wire.HEALTH_PATH` needs the shared secret when the engine has one; anything else
+gets 401 and changes nothing.
 """
 
 from __future__ import annotations
@@ -43,14 +14,41 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+
+from pydantic import BaseModel, ValidationError
 
 from kvturn.connector.leases import Lease, LeaseTable
+from kvturn.wire import (
+    CLAIM_ROUTE,
+    CONTROL_AUTH_HEADER,
+    EXPIRES_IN_KEY,
+    HEALTH_PATH,
+    IDENTITY_PATH,
+    LEASE_ROUTE,
+    LEASES_PATH,
+    PUSHES_ROUTE,
+    RENEW_ROUTE,
+    RETAINED_ROUTE,
+    WAIT_MS_QUERY,
+    WAKE_PATH,
+    Acknowledged,
+    ControlError,
+    EngineIdentity,
+    LeaseGone,
+    LeaseReleased,
+    PushState,
+    PushStateName,
+    RenewRequest,
+    RenewResponse,
+    WakeRequest,
+    claimed_flag,
+    match_control_route,
+    presented_secret,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +62,7 @@ def lease_answer(lease: Lease, now: float) -> dict[str, Any]:
     params = dict(lease.params)
     if params.get("remote_blocks_expiry_time") is not None:
         params["remote_blocks_expiry_time"] = lease.expires_at
-    params["expires_in_s"] = round(lease.expires_at - now, 3)
+    params[EXPIRES_IN_KEY] = round(lease.expires_at - now, 3)
     return params
 
 
@@ -78,7 +76,7 @@ class ControlServer:
         port: int,
         secret: str | None = None,
         on_call: Callable[[], None] | None = None,
-        identity: dict[str, Any] | None = None,
+        identity: EngineIdentity | None = None,
         on_expect: Callable[[float], None] | None = None,
     ):
         self.leases = leases
@@ -88,7 +86,7 @@ class ControlServer:
             leases,
             secret.encode() if secret else None,
             on_call,
-            dict(identity or {}),
+            identity,
             lambda: self.pushes,
             on_expect,
         )
@@ -116,7 +114,7 @@ def _make_handler(
     leases: LeaseTable,
     secret: bytes | None,
     on_call: Callable[[], None] | None,
-    identity: dict[str, Any],
+    identity: EngineIdentity | None,
     pushes: Callable[[], Any],
     on_expect: Callable[[float], None] | None,
 ) -> type[BaseHTTPRequestHandler]:
@@ -124,102 +122,95 @@ def _make_handler(
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
-            parts, query = self._route()
-            if parts == ["kvturn", "health"]:
-                self._send(200, {"ok": True})
+            route, key, query = match_control_route(self.path)
+            if route == HEALTH_PATH:
+                self._send(200, Acknowledged())
             elif not self._authorized():
                 return
-            elif parts == ["kvturn", "leases"]:
+            elif route == LEASES_PATH:
                 self._send(200, leases.stats())
-            elif parts == ["kvturn", "identity"]:
-                self._send(200, identity)
-            elif len(parts) == 3 and parts[:2] == ["kvturn", "retained"]:
+            elif route == IDENTITY_PATH:
+                self._send(200, identity.model_dump() if identity is not None else {})
+            elif route == RETAINED_ROUTE and key is not None:
                 wait_s = self._wait_s(query)
                 if wait_s is not None:
-                    self._answer(parts[2], leases.get(parts[2], wait_s=wait_s))
-            elif len(parts) == 3 and parts[:2] == ["kvturn", "pushes"]:
+                    self._answer(key, leases.get(key, wait_s=wait_s))
+            elif route == PUSHES_ROUTE and key is not None:
                 wait_s = self._wait_s(query)
                 arrivals = pushes()
                 if wait_s is not None:
-                    state = "unknown" if arrivals is None else arrivals.wait(parts[2], wait_s)
-                    self._send(200, {"state": state})
+                    state: PushStateName = (
+                        "unknown" if arrivals is None else arrivals.wait(key, wait_s)
+                    )
+                    self._send(200, PushState(state=state))
             else:
-                self._send(404, {"error": "not found"})
+                self._send(404, ControlError(error="not found"))
 
         def do_POST(self) -> None:
-            parts, _ = self._route()
+            route, key, _ = match_control_route(self.path)
             body = self._body()
             if body is None or not self._authorized():
                 return
             if on_call is not None:
                 on_call()
-            if parts == ["kvturn", "wake"]:
-                within_ms = body.get("within_ms")
-                if on_expect is not None and isinstance(within_ms, (int, float)):
-                    on_expect(float(within_ms) / 1000)
-                self._send(200, {"ok": True})
-            elif len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "claim":
-                self._answer(parts[2], leases.claim(parts[2]))
-            elif len(parts) == 4 and parts[:2] == ["kvturn", "leases"] and parts[3] == "renew":
+            if route == WAKE_PATH:
                 try:
-                    lease_s = float(body.get("lease_s", 0))
-                    kind = body.get("pause_kind")
-                    paused_ms = body.get("paused_ms")
-                    paused_s = None if paused_ms is None else float(paused_ms) / 1000
-                    finite = math.isfinite(lease_s) and (
-                        paused_s is None or math.isfinite(paused_s)
-                    )
-                except (TypeError, ValueError, OverflowError):
-                    finite = False
-                if not finite or lease_s < 0 or (paused_s is not None and paused_s < 0):
-                    self._send(400, {"error": "lease_s and paused_ms must be finite numbers >= 0"})
+                    within_ms = WakeRequest.model_validate(body).within_ms
+                except ValidationError:  # a number too large for a float: no promise
+                    within_ms = None
+                if on_expect is not None and within_ms is not None:
+                    on_expect(within_ms / 1000)
+                self._send(200, Acknowledged())
+            elif route == CLAIM_ROUTE and key is not None:
+                self._answer(key, leases.claim(key))
+            elif route == RENEW_ROUTE and key is not None:
+                try:
+                    asked = RenewRequest.model_validate(body)
+                except ValidationError:
+                    error = "lease_s and paused_ms must be finite numbers >= 0"
+                    self._send(400, ControlError(error=error))
                     return
-                lease = leases.renew(
-                    parts[2], lease_s, kind if isinstance(kind, str) else None, paused_s
-                )
+                paused_s = None if asked.paused_ms is None else asked.paused_ms / 1000
+                lease = leases.renew(key, asked.lease_s, asked.pause_kind, paused_s)
                 if lease is None:
-                    self._answer(parts[2], None)
+                    self._answer(key, None)
                 else:
-                    now = leases.clock()
-                    self._send(200, {"expires_in_s": round(lease.expires_at - now, 3)})
+                    left = round(lease.expires_at - leases.clock(), 3)
+                    self._send(200, RenewResponse(expires_in_s=left))
             else:
-                self._send(404, {"error": "not found"})
+                self._send(404, ControlError(error="not found"))
 
         def do_DELETE(self) -> None:
-            parts, query = self._route()
+            route, key, query = match_control_route(self.path)
             if self._body() is None or not self._authorized():
                 return
             if on_call is not None:
                 on_call()
-            if len(parts) == 3 and parts[:2] == ["kvturn", "leases"]:
-                claimed = query.get("claimed", ["0"])[0] in ("1", "true")
-                self._send(200, {"released": leases.release(parts[2], end_claim=claimed)})
+            if route == LEASE_ROUTE and key is not None:
+                released = leases.release(key, end_claim=claimed_flag(query))
+                self._send(200, LeaseReleased(released=released))
             else:
-                self._send(404, {"error": "not found"})
+                self._send(404, ControlError(error="not found"))
 
         # ---- helpers ----
 
-        def _route(self) -> tuple[list[str], dict[str, list[str]]]:
-            url = urlsplit(self.path)
-            return [unquote(p) for p in url.path.strip("/").split("/")], parse_qs(url.query)
-
         def _wait_s(self, query: dict[str, list[str]]) -> float | None:
             try:
-                wait_s = min(float(query.get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
+                wait_s = min(float(query.get(WAIT_MS_QUERY, ["0"])[0]) / 1000, _MAX_WAIT_S)
             except ValueError:
-                self._send(400, {"error": "wait_ms must be a number"})
+                self._send(400, ControlError(error=f"{WAIT_MS_QUERY} must be a number"))
                 return None
             return max(wait_s, 0.0)
 
         def _authorized(self) -> bool:
             if secret is None:
                 return True
-            given = self.headers.get("Authorization", "")
-            if given.startswith("Bearer ") and hmac.compare_digest(
-                given[len("Bearer ") :].encode(), secret
-            ):
+            given = presented_secret(self.headers.get(CONTROL_AUTH_HEADER, ""))
+            if given is not None and hmac.compare_digest(given.encode(), secret):
                 return True
-            self._send(401, {"error": "the kvturn control channel needs the shared secret"})
+            self._send(
+                401, ControlError(error="the kvturn control channel needs the shared secret")
+            )
             return False
 
         def _body(self) -> dict[str, Any] | None:
@@ -228,7 +219,7 @@ def _make_handler(
             except ValueError:
                 length = -1
             if length < 0 or length > _MAX_BODY:
-                self._send(400, {"error": "bad Content-Length"})
+                self._send(400, ControlError(error="bad Content-Length"))
                 return None
             raw = self.rfile.read(length) if length else b""
             if not raw:
@@ -238,17 +229,19 @@ def _make_handler(
             except ValueError:
                 body = None
             if not isinstance(body, dict):
-                self._send(400, {"error": "the body must be a JSON object"})
+                self._send(400, ControlError(error="the body must be a JSON object"))
                 return None
             return body
 
         def _answer(self, key: str, lease: Lease | None) -> None:
             if lease is None:
-                self._send(404, {"error": "no live lease", "reason": leases.gone_reason(key)})
+                self._send(404, LeaseGone(reason=leases.gone_reason(key)))
             else:
                 self._send(200, lease_answer(lease, leases.clock()))
 
-        def _send(self, status: int, body: object) -> None:
+        def _send(self, status: int, body: BaseModel | dict[str, Any]) -> None:
+            if isinstance(body, BaseModel):
+                body = body.model_dump(by_alias=True, exclude_none=True)
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

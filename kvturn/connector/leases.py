@@ -34,13 +34,11 @@ import math
 import re
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-PauseKind = Literal["tool", "user", "unknown"]
-#: Why a lease ended, as the control server reports it.
-EndReason = Literal["read", "expired", "released", "reclaimed", "superseded"]
+from kvturn.wire import EndReason, LeaseStats
 
 # vLLM appends "-<8 hex>" to every request id, and prefixes chat ids with "chatcmpl-" and
 # completion ids with "cmpl-"; a completion's id also carries its prompt's position ("-0").
@@ -342,14 +340,6 @@ class LeaseTable:
             self._end(lease, "released", now)
             return True
 
-    def release_conversation(self, conversation: str) -> bool:
-        with self._lock:
-            lease = self._by_conversation.get(conversation)
-            if lease is None or lease.ending is not None:
-                return False
-            self._end(lease, "released", self.clock())
-            return True
-
     # ---- memory pressure --------------------------------------------------------------------
 
     def reclaim(self, blocks_needed: int) -> list[Lease]:
@@ -400,11 +390,7 @@ class LeaseTable:
         with self._lock:
             return sum(lease.blocks for lease in self._by_request.values() if lease.ending)
 
-    def leased_block_ids(self) -> Iterable[tuple[list[int], ...]]:
-        with self._lock:
-            return [lease.block_ids for lease in self._by_request.values()]
-
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> LeaseStats:
         with self._lock:
             now = self.clock()
             live = [
@@ -412,19 +398,19 @@ class LeaseTable:
                 for lease in self._by_request.values()
                 if lease.ending is None and lease.expires_at > now
             ]
-            return {
-                "leases": len(live),
-                "blocks_held": sum(lease.blocks for lease in self._by_request.values()),
-                "retained": self.counters.retained,
-                "not_retained": self.counters.not_retained,
-                "renewed": self.counters.renewed,
-                "claimed": self.counters.claimed,
-                "ended": dict(self.counters.ended),
+            return LeaseStats(
+                leases=len(live),
+                blocks_held=sum(lease.blocks for lease in self._by_request.values()),
+                retained=self.counters.retained,
+                not_retained=self.counters.not_retained,
+                renewed=self.counters.renewed,
+                claimed=self.counters.claimed,
+                ended=dict(self.counters.ended),
                 **self.engine,
-            }
+            )
 
     def __len__(self) -> int:
-        return int(self.stats()["leases"])
+        return self.stats().leases
 
     # ---- internals (lock held) --------------------------------------------------------------
 

@@ -68,13 +68,30 @@ from kvturn.connector.control_server import ControlServer
 from kvturn.connector.engine_pacing import IdlePacer, cap_worker_spin_window
 from kvturn.connector.leases import LeaseTable, publication_key
 from kvturn.connector.nixl_progress import DEFAULT_PROGRESS_DELAY_US, raise_progress_thread_delay
-from kvturn.kv_params import (
+from kvturn.wire import (
     BLOCK_SIZE_KEY,
+    CLAIM_S_CONFIG,
+    CONTROL_HOST_CONFIG,
+    CONTROL_PORT_CONFIG,
+    CONTROL_SECRET_ENV,
+    CONVERSATION_KEY,
     DIGEST_CHUNK_TOKENS,
+    EXPIRES_IN_KEY,
+    FREE_BLOCKS_WATERMARK_CONFIG,
+    IDLE_LONG_SLEEP_MS_CONFIG,
+    IDLE_PACING_CONFIG,
+    IDLE_STEP_SLEEP_MS_CONFIG,
     KV_BYTES_PER_TOKEN_KEY,
+    LEASE_KEY,
     MAX_LEASE_KEY,
+    NIXL_PROGRESS_DELAY_US_CONFIG,
+    PAUSE_KEY,
     PREFIX_DIGESTS_KEY,
     PROMPT_TOKENS_KEY,
+    RETAIN_UNTRACKED_CONFIG,
+    WORKER_SPIN_MS_CONFIG,
+    EngineIdentity,
+    TransferMode,
     common_prefix_tokens,
     prefix_digests,
 )
@@ -91,13 +108,8 @@ if TYPE_CHECKING:
 # Under "vllm." so that the engine's own log configuration shows these lines.
 logger = logging.getLogger("vllm.kvturn.connector")
 
+#: Marks a prefill request's params once its pull was checked (never leaves this engine).
 _CHECKED_KEY = "_kvturn_prefix_checked"
-#: ``kv_transfer_params`` keys the gateway sets on a decode request.
-CONVERSATION_KEY = "kvturn_conversation"
-LEASE_KEY = "kvturn_lease_s"
-PAUSE_KEY = "kvturn_pause"
-#: The environment variable that holds the control channel's shared secret.
-SECRET_ENV = "KVTURN_CONTROL_SECRET"
 
 
 class KvturnConnectorBase(NixlBaseConnector):
@@ -107,7 +119,7 @@ class KvturnConnectorBase(NixlBaseConnector):
     so its methods wrap the chosen upstream connector's."""
 
     #: ``pull`` or ``push``: what the control server's identity route reports.
-    TRANSFER_MODE = "pull"
+    TRANSFER_MODE: TransferMode = "pull"
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -117,7 +129,7 @@ class KvturnConnectorBase(NixlBaseConnector):
         extra = transfer_config.kv_connector_extra_config or {}
         on_cpu = vllm_config.device_config.device_type == "cpu"
         delay_us = int(
-            extra.get("kvturn_nixl_progress_delay_us", DEFAULT_PROGRESS_DELAY_US if on_cpu else 0)
+            extra.get(NIXL_PROGRESS_DELAY_US_CONFIG, DEFAULT_PROGRESS_DELAY_US if on_cpu else 0)
         )
         if delay_us > 0:
             raise_progress_thread_delay(delay_us)
@@ -128,16 +140,16 @@ class KvturnConnectorBase(NixlBaseConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         if affinity is not None and os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
-        pacing = extra.get("kvturn_idle_pacing", on_cpu)
+        pacing = extra.get(IDLE_PACING_CONFIG, on_cpu)
         self._pacer: IdlePacer | None = (
             IdlePacer(
-                short_s=float(extra.get("kvturn_idle_step_sleep_ms", 10)) / 1000,
-                long_s=float(extra.get("kvturn_idle_long_sleep_ms", 250)) / 1000,
+                short_s=float(extra.get(IDLE_STEP_SLEEP_MS_CONFIG, 10)) / 1000,
+                long_s=float(extra.get(IDLE_LONG_SLEEP_MS_CONFIG, 250)) / 1000,
             )
             if pacing
             else None
         )
-        spin_ms = float(extra.get("kvturn_worker_spin_ms", 2 if on_cpu else 0))
+        spin_ms = float(extra.get(WORKER_SPIN_MS_CONFIG, 2 if on_cpu else 0))
         if role == KVConnectorRole.WORKER and spin_ms > 0:
             cap_worker_spin_window(spin_ms / 1000)
         self._block_size = vllm_config.cache_config.block_size
@@ -149,7 +161,7 @@ class KvturnConnectorBase(NixlBaseConnector):
         self.leases = LeaseTable(
             time.perf_counter,
             max_lease_s=self._ttl_s,
-            claim_s=float(extra.get("kvturn_claim_s", 30)),
+            claim_s=float(extra.get(CLAIM_S_CONFIG, 30)),
         )
         self.leases.engine = {
             BLOCK_SIZE_KEY: self._block_size,
@@ -158,24 +170,26 @@ class KvturnConnectorBase(NixlBaseConnector):
         }
         self._usage = BlockUsage(kv_cache_config.num_blocks)
         self._watermark_blocks = int(
-            float(extra.get("kvturn_free_blocks_watermark", 0.05)) * kv_cache_config.num_blocks
+            float(extra.get(FREE_BLOCKS_WATERMARK_CONFIG, 0.05)) * kv_cache_config.num_blocks
         )
         # Decode requests that finished without a conversation: blocks freed, not retained.
         self._not_retained: set[str] = set()
         #: Whether a request no kvturn gateway sent (no ``kvturn_conversation`` key) keeps its
         #: KV for the fixed TTL, as upstream's bidirectional connector does.
-        self._retain_untracked = bool(extra.get("kvturn_retain_untracked", True))
+        self._retain_untracked = bool(extra.get(RETAIN_UNTRACKED_CONFIG, True))
         # Decode-local turns scheduled this step (see update_state_after_alloc).
         self._local: set[str] = set()
         # Waiting decode requests asked for their blocks this step: request id -> blocks.
         self._asked: dict[str, int] = {}
         self._control: ControlServer | None = None
-        port = extra.get("kvturn_control_port")
+        port = extra.get(CONTROL_PORT_CONFIG)
         if role == KVConnectorRole.SCHEDULER and port is not None:
-            host = str(extra.get("kvturn_control_host", "127.0.0.1"))
-            secret = os.environ.get(SECRET_ENV) or None
+            host = str(extra.get(CONTROL_HOST_CONFIG, "127.0.0.1"))
+            secret = os.environ.get(CONTROL_SECRET_ENV) or None
             if secret is None:
-                logger.warning("kvturn: %s is not set: the control channel is open", SECRET_ENV)
+                logger.warning(
+                    "kvturn: %s is not set: the control channel is open", CONTROL_SECRET_ENV
+                )
             self._control = ControlServer(
                 self.leases,
                 host,
@@ -186,19 +200,19 @@ class KvturnConnectorBase(NixlBaseConnector):
                 on_expect=self._pacer.expect if self._pacer else None,
             ).start()
 
-    def _identity(self, vllm_config: VllmConfig) -> dict[str, Any]:
+    def _identity(self, vllm_config: VllmConfig) -> EngineIdentity:
         """What a peer needs to reach this engine over NIXL before any request has told it:
         in push mode the gateway names the prefill to the decode that registers with it."""
         scheduler = self.connector_scheduler
         assert scheduler is not None
-        return {
-            "engine_id": self.engine_id,
-            "side_channel_host": scheduler.side_channel_host,
-            "side_channel_port": scheduler.side_channel_port,
-            "tp_size": vllm_config.parallel_config.tensor_parallel_size,
-            "pp_size": vllm_config.parallel_config.pipeline_parallel_size,
-            "transfer_mode": self.TRANSFER_MODE,
-        }
+        return EngineIdentity(
+            engine_id=self.engine_id,
+            side_channel_host=scheduler.side_channel_host,
+            side_channel_port=scheduler.side_channel_port,
+            tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            pp_size=vllm_config.parallel_config.pipeline_parallel_size,
+            transfer_mode=self.TRANSFER_MODE,
+        )
 
     # ---- scheduler side: both ---------------------------------------------------------------
 
@@ -285,7 +299,7 @@ class KvturnConnectorBase(NixlBaseConnector):
         )
         # What the control server would answer for the lease: vLLM hands these params back in
         # a non-streamed reply (not in a stream's chunks), so the gateway need not ask.
-        params["expires_in_s"] = round(lease.expires_at - lease.paused_since, 3)
+        params[EXPIRES_IN_KEY] = round(lease.expires_at - lease.paused_since, 3)
         self._usage.set_blocks(_lease_owner(request.request_id), params["remote_block_ids"])
 
     def _steer_retention(self, meta: Any, scheduler_output: SchedulerOutput) -> None:

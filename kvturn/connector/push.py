@@ -49,7 +49,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 # Before vLLM's own imports: refuse a vLLM release the connector was not built for.
 from kvturn.connector import vllm_guard  # noqa: F401
@@ -59,7 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPushConnector
 from vllm.v1.request import RequestStatus
 
 from kvturn.connector.leases import publication_key
-from kvturn.connector.nixl import CONVERSATION_KEY, KvturnConnectorBase, aborted_after_decoding
+from kvturn.connector.nixl import KvturnConnectorBase, aborted_after_decoding
+from kvturn.wire import CONVERSATION_KEY, PushStateName
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,8 +76,6 @@ if TYPE_CHECKING:
 
 _FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
-PushState = Literal["unknown", "awaiting", "arrived"]
-
 
 class PushArrivals:
     """Whether the KV pushed for a decode request has arrived, by the gateway's request id:
@@ -89,10 +88,10 @@ class PushArrivals:
 
     def __init__(self, capacity: int = 10_000):
         self._changed = threading.Condition()
-        self._states: OrderedDict[str, PushState] = OrderedDict()
+        self._states: OrderedDict[str, PushStateName] = OrderedDict()
         self._capacity = capacity
 
-    def set(self, request_id: str, state: PushState) -> None:
+    def set(self, request_id: str, state: PushStateName) -> None:
         key = publication_key(request_id)
         with self._changed:
             self._states[key] = state
@@ -101,7 +100,7 @@ class PushArrivals:
                 self._states.popitem(last=False)
             self._changed.notify_all()
 
-    def wait(self, key: str, timeout_s: float) -> PushState:
+    def wait(self, key: str, timeout_s: float) -> PushStateName:
         """The request's state once its push arrived, or as it is after ``timeout_s``."""
         with self._changed:
             self._changed.wait_for(lambda: self._states.get(key) == "arrived", timeout_s)

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvturn.gateway.auth import ApiKeys
+from kvturn.wire import CONTROL_SECRET_ENV
 
-#: The shared secret of the engines' kvturn control channel (the connector reads the same name).
-CONTROL_SECRET_ENV = "KVTURN_CONTROL_SECRET"
 #: A file of API keys (``key tenant`` per line); ``KVTURN_API_KEYS`` holds more inline.
 API_KEYS_FILE_ENV = "KVTURN_API_KEYS_FILE"
 #: The engines' API key: vLLM's own variable, so ``kvturn up``'s engines and gateway share it.

@@ -18,7 +18,7 @@ from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Pool, check_health_forever
 from kvturn.gateway.state.stores import open_state
 from kvturn.gateway.turns.runner import TurnRunner
-from kvturn.kv_params import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY, MAX_LEASE_KEY
+from kvturn.wire import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY, MAX_LEASE_KEY
 
 logger = logging.getLogger("kvturn.gateway")
 

@@ -10,6 +10,7 @@ import pytest
 from kvturn.connector.block_usage import BlockUsage
 from kvturn.connector.control_server import ControlServer
 from kvturn.connector.leases import LeaseTable, PauseModel, publication_key
+from kvturn.wire import EngineIdentity
 
 
 class FakeClock:
@@ -56,7 +57,7 @@ def test_a_lease_expires_unless_renewed_and_renewal_never_revives() -> None:
     assert table.gone_reason("r1") == "expired"
     # The engine frees it at its deadline; the table records why.
     assert table.finished("chatcmpl-r1-0000abcd") == "expired"
-    assert table.stats()["ended"] == {"expired": 1} and len(table) == 0
+    assert table.stats().ended == {"expired": 1} and len(table) == 0
 
 
 def test_lease_is_capped_by_what_the_engine_honours() -> None:
@@ -197,7 +198,9 @@ def test_block_usage_counts_shared_blocks_once() -> None:
 @pytest.fixture
 def control() -> tuple[LeaseTable, str]:
     table = LeaseTable(time.monotonic, max_lease_s=60)
-    identity = {"engine_id": "e-1", "side_channel_port": 5600, "transfer_mode": "push"}
+    identity = EngineIdentity(
+        engine_id="e-1", side_channel_host="10.0.0.3", side_channel_port=5600, transfer_mode="push"
+    )
     server = ControlServer(table, "127.0.0.1", 0, secret="s3cret", identity=identity).start()
     yield table, f"http://127.0.0.1:{server.port}/kvturn"
     server.stop()
@@ -247,8 +250,35 @@ def test_control_channel_routes(control: tuple[LeaseTable, str]) -> None:
     assert gone.status_code == 404 and gone.json()["reason"] == "released"
     stats = httpx.get(f"{base}/leases", headers=auth).json()
     assert stats["retained"] == 2 and stats["ended"] == {"released": 1}
+    assert "kvturn_block_size" not in stats  # the engine's facts, once the connector knows them
+    table.engine = {"kvturn_block_size": 16, "kvturn_kv_bytes_per_token": 4096}
+    stats = httpx.get(f"{base}/leases", headers=auth).json()
+    assert stats["kvturn_block_size"] == 16 and stats["kvturn_kv_bytes_per_token"] == 4096
     identity = httpx.get(f"{base}/identity", headers=auth).json()
-    assert identity == {"engine_id": "e-1", "side_channel_port": 5600, "transfer_mode": "push"}
+    assert identity == {
+        "engine_id": "e-1", "side_channel_host": "10.0.0.3", "side_channel_port": 5600,
+        "tp_size": 1, "pp_size": 1, "transfer_mode": "push",
+    }  # fmt: skip
+
+
+def test_the_control_routes_the_gateway_calls_are_the_ones_the_server_matches() -> None:
+    from kvturn import wire
+
+    for path, route in [
+        (wire.retained_path("k é 1", 2.0), wire.RETAINED_ROUTE),
+        (wire.claim_path("k é 1"), wire.CLAIM_ROUTE),
+        (wire.renew_path("k é 1"), wire.RENEW_ROUTE),
+        (wire.lease_path("k é 1", claimed=True), wire.LEASE_ROUTE),
+        (wire.pushes_path("k é 1", 0.5), wire.PUSHES_ROUTE),
+    ]:
+        assert wire.match_control_route(path)[:2] == (route, "k é 1")
+    assert wire.match_control_route(wire.retained_path("k", 2.0))[2] == {"wait_ms": ["2000"]}
+    assert wire.claimed_flag(wire.match_control_route(wire.lease_path("k", claimed=True))[2])
+    assert not wire.claimed_flag(wire.match_control_route(wire.lease_path("k"))[2])
+    for path in (wire.HEALTH_PATH, wire.LEASES_PATH, wire.IDENTITY_PATH, wire.WAKE_PATH):
+        assert wire.match_control_route(path) == (path, None, {})
+    for stray in ("/kvturn/retained/", "/kvturn/leases/k/read", "/kvturn", "/other/leases"):
+        assert wire.match_control_route(stray)[0] is None
 
 
 def test_idle_pacing_is_short_then_long_and_a_wake_restarts_it() -> None:

@@ -1,4 +1,4 @@
-from kvturn.kv_params import DIGEST_CHUNK_TOKENS, common_prefix_tokens, prefix_digests
+from kvturn.wire import DIGEST_CHUNK_TOKENS, common_prefix_tokens, prefix_digests
 
 
 def test_digests_cover_only_full_chunks() -> None:

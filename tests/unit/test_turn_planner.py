@@ -34,7 +34,7 @@ from kvturn.gateway.state.table_in_process import ConversationStore
 from kvturn.gateway.state.table_redis import RedisConversations
 from kvturn.gateway.tokens import CHAT_PATH
 from kvturn.gateway.turns.model import Turn
-from kvturn.kv_params import last_prefix_digest, prefix_digests
+from kvturn.wire import last_prefix_digest, prefix_digests
 from tests.gateway_fixtures import RedisServer, running_redis
 
 HOLDER = "http://decode-0"

@@ -9,10 +9,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvturn.gateway.config import CONTROL_SECRET_ENV
 from kvturn.gateway.ops.launch.engines import EngineSpec, KVSettings, max_positions
 from kvturn.gateway.ops.launch.local_models import MODEL_NAMES
 from kvturn.gateway.ops.models import resolve_model
+from kvturn.wire import CONTROL_SECRET_ENV
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:

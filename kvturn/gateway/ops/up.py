@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvturn.gateway.config import CONTROL_SECRET_ENV, GatewayConfig, endpoints
+from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.ops.engine import add_retain_untracked
 from kvturn.gateway.ops.launch.engines import (
     Deployment,
@@ -27,6 +27,7 @@ from kvturn.gateway.ops.launch.engines import (
 )
 from kvturn.gateway.ops.launch.local_models import kvturn_home
 from kvturn.gateway.ops.models import resolve_model
+from kvturn.wire import CONTROL_SECRET_ENV
 
 if TYPE_CHECKING:
     from kvturn.gateway.server import GatewayThread, GatewayWorkers

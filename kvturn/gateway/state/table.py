@@ -60,7 +60,7 @@ class Conversation:
     holder_request_id: str | None = None
     #: Tokens whose KV the holder retains (prompt and generated).
     held_tokens: int = 0
-    #: The last of the holder's chained prefix digests (:func:`kvturn.kv_params.prefix_digests`)
+    #: The last of the holder's chained prefix digests (:func:`kvturn.wire.prefix_digests`)
     #: and the tokens it covers: what a new prompt must start with for the holder's prefix
     #: cache to serve it whole. 24 hex characters, not the digest list.
     held_digest: str | None = None

@@ -22,9 +22,6 @@ from kvturn.gateway.replies import Reply
 from kvturn.gateway.state.table import Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import (
-    CONVERSATION_PARAM,
-    LEASE_PARAM,
-    PAUSE_PARAM,
     DecodeFailed,
     PrefillResult,
     Reuse,
@@ -33,7 +30,7 @@ from kvturn.gateway.turns.model import (
 )
 from kvturn.gateway.turns.relay import Relay
 from kvturn.gateway.turns.settle import After, Settlement
-from kvturn.kv_params import PREFIX_DIGESTS_KEY
+from kvturn.wire import CONVERSATION_KEY, EXPIRES_IN_KEY, LEASE_KEY, PAUSE_KEY, PREFIX_DIGESTS_KEY
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -91,13 +88,13 @@ class Decoder:
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
         # once: a turn without a conversation never comes back for it).
-        params[CONVERSATION_PARAM] = conversation.key if conversation and keep else None
+        params[CONVERSATION_KEY] = conversation.key if conversation and keep else None
         # The lease this decode grants (its connector cuts a longer one): the client plans its
         # heartbeats from what the header says, so it must never say more.
         lease_s = instance.lease_s(self.context.config.lease_s)
-        params[LEASE_PARAM] = lease_s
+        params[LEASE_KEY] = lease_s
         if turn.pause is not None:
-            params[PAUSE_PARAM] = list(turn.pause)
+            params[PAUSE_KEY] = list(turn.pause)
         body["kv_transfer_params"] = params
         plan = prefilled.plan
         response_headers = {
@@ -196,6 +193,6 @@ class Decoder:
 def retained_in(params: Any) -> dict[str, Any] | None:
     """The lease a decode's non-streamed reply describes (the kvturn connector's params), if
     it describes one."""
-    if isinstance(params, dict) and "expires_in_s" in params and PREFIX_DIGESTS_KEY in params:
+    if isinstance(params, dict) and EXPIRES_IN_KEY in params and PREFIX_DIGESTS_KEY in params:
         return params
     return None

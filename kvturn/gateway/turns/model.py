@@ -13,12 +13,7 @@ from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
 from kvturn.gateway.tokens import CHAT_PATH
-from kvturn.kv_params import PREFILL_FOR_REMOTE_DECODE
-
-#: ``kv_transfer_params`` keys decode's kvturn connector reads (see ``kvturn.connector.nixl``).
-CONVERSATION_PARAM = "kvturn_conversation"
-LEASE_PARAM = "kvturn_lease_s"
-PAUSE_PARAM = "kvturn_pause"
+from kvturn.wire import PREFILL_FOR_REMOTE_DECODE
 
 #: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
 RECOMPUTE_PARAMS = PREFILL_FOR_REMOTE_DECODE

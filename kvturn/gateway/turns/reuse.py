@@ -21,7 +21,7 @@ from kvturn.gateway.tokens import CHAT_PATH, prompt_token_ids
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import Reuse, Turn, Uncounted
 from kvturn.gateway.turns.placement import choose_prefill, counter
-from kvturn.kv_params import DIGEST_CHUNK_TOKENS, last_prefix_digest
+from kvturn.wire import DIGEST_CHUNK_TOKENS, EXPIRES_IN_KEY, last_prefix_digest
 
 #: Why the holder had no lease to claim → the turn's fallback reason.
 GONE_REASONS = {
@@ -229,7 +229,7 @@ class ReuseStep:
 
     def usable(self, params: dict[str, Any]) -> bool:
         """Whether a claimed lease still runs long enough for the pull to land."""
-        return float(params.pop("expires_in_s", 0)) > self.context.config.expiry_margin_s
+        return float(params.pop(EXPIRES_IN_KEY, 0)) > self.context.config.expiry_margin_s
 
 
 def is_reply(message: Any) -> bool:

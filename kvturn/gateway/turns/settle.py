@@ -25,9 +25,10 @@ from kvturn.gateway.tokens import prompt_token_ids
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import PrefillResult, Turn
 from kvturn.gateway.turns.placement import counter
-from kvturn.kv_params import (
+from kvturn.wire import (
     BLOCK_SIZE_KEY,
     DIGEST_CHUNK_TOKENS,
+    EXPIRES_IN_KEY,
     KV_BYTES_PER_TOKEN_KEY,
     PREFIX_DIGESTS_KEY,
     PROMPT_TOKENS_KEY,
@@ -202,7 +203,7 @@ class Settlement:
                     holder.url,
                     request_id,
                     held_tokens=int(retained.get("remote_num_tokens") or 0),
-                    lease_expires_in_s=float(retained.get("expires_in_s") or 0),
+                    lease_expires_in_s=float(retained.get(EXPIRES_IN_KEY) or 0),
                     held_digest=str(digests[chunks - 1]) if chunks else None,
                     held_digest_tokens=chunks * DIGEST_CHUNK_TOKENS,
                     held_salt=after.salt,

@@ -27,6 +27,13 @@ from typing import Literal
 
 import httpx
 
+from kvturn.wire import (
+    CONTROL_HOST_CONFIG,
+    CONTROL_PORT_CONFIG,
+    NIXL_PROGRESS_DELAY_US_CONFIG,
+    RETAIN_UNTRACKED_CONFIG,
+)
+
 Role = Literal["prefill", "decode", "single"]
 
 #: Resident memory one CPU engine needs, measured here (~3.5 GB), used by the pre-flight check.
@@ -138,12 +145,12 @@ class EngineSpec:
         if push:
             extra["push_registration_timeout"] = self.kv.push_registration_timeout_s
         if not self.kv.retain_untracked:
-            extra["kvturn_retain_untracked"] = False
+            extra[RETAIN_UNTRACKED_CONFIG] = False
         if self.device == "cpu":
-            extra["kvturn_nixl_progress_delay_us"] = self.kv.nixl_progress_delay_us
+            extra[NIXL_PROGRESS_DELAY_US_CONFIG] = self.kv.nixl_progress_delay_us
         if self.control_port:
-            extra["kvturn_control_port"] = self.control_port
-            extra["kvturn_control_host"] = self.host
+            extra[CONTROL_PORT_CONFIG] = self.control_port
+            extra[CONTROL_HOST_CONFIG] = self.host
         return {
             "kv_connector": "KvturnPushConnector" if push else "KvturnConnector",
             "kv_connector_module_path": f"kvturn.connector.{'push' if push else 'nixl'}",
