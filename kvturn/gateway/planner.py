@@ -270,9 +270,6 @@ class CostModel:
             + self.handoff.predict(held + suffix)
         )
 
-    def recompute_seconds(self, prefill_url: str, prompt: int) -> float:
-        return self._prefill(prefill_url).predict(prompt) + self.handoff.predict(prompt)
-
     # ---- learning ----
 
     def observe_prefill(self, prefill_url: str, computed: int, reused: int, seconds: float) -> None:

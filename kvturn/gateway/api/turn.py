@@ -1,6 +1,6 @@
 """The turn endpoints (chat completions, completions, responses): a request's body and headers
 read and checked, its conversation id found, and the turn handed to the gateway's
-:class:`~kvturn.gateway.turns.TurnRunner`; a Responses request is served as the chat turn it
+:class:`~kvturn.gateway.turns.runner.TurnRunner`; a Responses request is served as the chat turn it
 amounts to (:mod:`kvturn.gateway.responses`)."""
 
 from __future__ import annotations
