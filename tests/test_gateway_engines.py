@@ -518,7 +518,7 @@ def test_holder_dies_during_the_pull_and_another_holder_is_down(
                 assert wait_recorded(gateway, name).holder_url == spec.url
                 histories[name] = [*messages, {"role": "assistant", "content": first.text}]
 
-            leases = gateway.app.state.gateway.runner.leases
+            leases = gateway.app.state.gateway.runner.context.leases
             real_claim = leases.claim
 
             async def claim_then_kill(control_url: str, key: str) -> Any:
@@ -551,7 +551,7 @@ def test_failed_pull_is_retried_as_recompute(local_pair: LocalPair) -> None:
     """The KV lapses between the lookup and the pull: prefill declines, the turn still works."""
     with running_gateway(_pair_config(local_pair)) as gateway:
         client = _client(gateway.url + "/v1")
-        leases = gateway.app.state.gateway.runner.leases
+        leases = gateway.app.state.gateway.runner.context.leases
         messages = _opening("harbours", 600)
         first = run_turn(client, local_pair.model, messages, "lapsing")
         wait_recorded(gateway, "lapsing")

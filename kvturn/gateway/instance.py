@@ -103,7 +103,7 @@ class Gateway:
         unknown = [i for i in self.decode.instances if i.control_url and not i.kv_bytes_per_token]
         for instance in unknown:
             assert instance.control_url is not None
-            stats = await self.runner.leases.stats(instance.control_url)
+            stats = await self.runner.context.leases.stats(instance.control_url)
             if stats:
                 instance.block_size = int(stats.get(BLOCK_SIZE_KEY) or 0)
                 instance.kv_bytes_per_token = int(stats.get(KV_BYTES_PER_TOKEN_KEY) or 0)

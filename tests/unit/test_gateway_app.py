@@ -342,17 +342,17 @@ def test_only_histories_with_a_reply_are_looked_up(fake_url: str) -> None:
     with running_gateway(config) as gateway:
         runner = gateway.app.state.gateway.runner
         asked: list[int] = []
-        match = runner.implicit.match
+        match = runner.context.store.implicit.match
 
         async def counted(digests: Any) -> Any:
             asked.append(len(digests))
             return await match(digests)
 
-        runner.implicit.match = counted
+        runner.context.store.implicit.match = counted
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
         first = httpx.post(gateway.url + "/v1/chat/completions", json=_chat_body(messages))
         assert asked == []
-        _until(lambda: runner.implicit.size() == 1, "turn 1 was never recorded")
+        _until(lambda: runner.context.store.implicit.size() == 1, "turn 1 was never recorded")
         reply = first.json()["choices"][0]["message"]
         messages = [*messages, reply, {"role": "user", "content": "and?"}]
         second = httpx.post(gateway.url + "/v1/chat/completions", json=_chat_body(messages))
@@ -389,9 +389,9 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
 
             return note
 
-        runner.store.take = noted("take", runner.store.take)
-        runner.store.settling = noted("mark", runner.store.settling)
-        runner.store.record = noted("record", runner.store.record)
+        runner.context.store.take = noted("take", runner.context.store.take)
+        runner.context.store.settling = noted("mark", runner.context.store.settling)
+        runner.context.store.record = noted("record", runner.context.store.record)
         messages = [{"role": "user", "content": f"marked while streamed? {stream}"}]
         body = {**_chat_body(messages), "stream": stream}
         first = httpx.post(gateway.url + "/v1/chat/completions", json=body)
@@ -399,7 +399,7 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
         _until(lambda: len(calls) == (2 if stream else 1), f"recorded: {calls}")
         assert calls == (["mark made indexed", "record"] if stream else ["record made indexed"])
         conversation = first.headers["x-conversation-id"]
-        entry = runner.store.peek(conversation)
+        entry = runner.context.store.peek(conversation)
         assert entry is not None and entry.turns == 1 and entry.holder_url == fake_url
         if stream:
             reply = {"role": "assistant", "content": _streamed_text(first.text)}
@@ -423,7 +423,7 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
         assert calls == (
             ["take", "mark", "record indexed"] if stream else ["take", "record indexed"]
         )
-        assert runner.store.peek(conversation).turns == 3
+        assert runner.context.store.peek(conversation).turns == 3
 
 
 def _streamed_text(sse: str) -> str:
@@ -500,7 +500,7 @@ def test_only_a_decode_idle_for_a_while_is_woken_as_a_turn_starts(fake_url: str)
 
     config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
     with running_gateway(config) as gateway:
-        decode = gateway.app.state.gateway.runner.decode.instances[0]
+        decode = gateway.app.state.gateway.decode.instances[0]
         before = fake_engine.COUNTS.get("woken", 0)
         assert _chat(gateway.url).status_code == 200
         _counted("woken", before, "an engine never sent anything was not woken")

@@ -78,7 +78,7 @@ async def status(request: Request) -> Response:
                 "in_flight": instance.in_flight,
             }
             if role == "decode" and instance.control_url is not None:
-                entry["leases"] = await runner.leases.stats(instance.control_url)
+                entry["leases"] = await runner.context.leases.stats(instance.control_url)
             engines.append(entry)
     config = gateway.config
     entries: int | None
@@ -92,7 +92,7 @@ async def status(request: Request) -> Response:
         "process": {"pid": os.getpid(), "turns_served": runner.turns_served},
         "conversations": entries,
         "live_conversations": live,
-        "implicit_turns_remembered": runner.implicit.size(),
+        "implicit_turns_remembered": gateway.store.implicit.size(),
         "engines": engines,
         "planner": {
             "decode_local": config.decode_local,
@@ -103,7 +103,7 @@ async def status(request: Request) -> Response:
             "implicit_conversations": config.implicit_conversations,
             "lease_s": config.lease_s,
         },
-        "costs": runner.costs.snapshot(),
+        "costs": runner.context.costs.snapshot(),
     }
     return JSONResponse(body)
 
@@ -138,7 +138,7 @@ async def heartbeat(request: Request) -> Response:
         granted = holder.lease_s(config.lease_s) if holder is not None else config.lease_s
         if holder is not None and holder.control_url is not None and lease:
             # The lease lives on the holder decode: renew it there.
-            expires_in_s = await gateway.runner.leases.renew(
+            expires_in_s = await gateway.runner.context.leases.renew(
                 holder.control_url, lease, config.lease_s, beat.pause_kind, beat.paused_ms
             )
             if expires_in_s is None:
@@ -179,7 +179,7 @@ async def release(request: Request) -> Response:
         key = conversation.holder_request_id
         if holder is not None and holder.control_url is not None and key:
             # Free the blocks on the holder now, not when a lease would lapse.
-            await gateway.runner.leases.release(holder.control_url, key)
+            await gateway.runner.context.leases.release(holder.control_url, key)
     answer = control.ReleaseResponse(conversation_id=conversation_id, released=released)
     return Response(answer.model_dump_json(), media_type="application/json")
 
@@ -231,7 +231,7 @@ async def _scrape_decode_leases(gateway: Gateway) -> None:
     for instance in gateway.decode.instances:
         if instance.control_url is None:
             continue
-        stats = await gateway.runner.leases.stats(instance.control_url)
+        stats = await gateway.runner.context.leases.stats(instance.control_url)
         if stats is None:
             continue
         metrics.decode_leases.labels(instance.url).set(stats.get("leases", 0))

@@ -19,7 +19,6 @@ from kvturn.gateway.http.upstream import Upstream
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
-from kvturn.gateway.state.implicit import Index
 from kvturn.gateway.state.table import Conversation, ConversationTable, Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.decode import Decoder
@@ -59,10 +58,6 @@ class TurnRunner:
         self.decoder = Decoder(self.context, self.settlement)
         self.dispatch = Dispatch(self.context, self.decoder)
         self.push = PushDispatch(self.context, self.decoder, self.dispatch)
-        # What the gateway's routes and its status page reach through the runner.
-        self.config, self.decode, self.store = config, decode, store
-        self.leases, self.costs = self.context.leases, self.context.costs
-        self.implicit: Index = store.implicit
 
     @property
     def turns_served(self) -> int:
