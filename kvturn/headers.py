@@ -46,3 +46,10 @@ MAX_PAUSE_MS: Final = 7 * 24 * 3600 * 1000
 #: Seconds a conversation's lease lasts without a turn or heartbeat (gateway → client, on every
 #: response of a conversation). The client's first heartbeat of a pause comes at about half this.
 LEASE_SECONDS: Final = "X-Kvturn-Lease-Seconds"
+
+#: The caller's id for a request (client → gateway → engines, echoed on the reply), as vLLM's
+#: server and routers take it.
+REQUEST_ID: Final = "X-Request-Id"
+#: W3C trace context (client → gateway → engines): the caller's trace, carried on.
+TRACEPARENT: Final = "traceparent"
+TRACESTATE: Final = "tracestate"

@@ -46,6 +46,9 @@ COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0}
 REQUIRED_KEY: str | None = None
 #: The ``cache_salt`` of the last prefill and the last decode request (tenant isolation tests).
 LAST_CACHE_SALT: dict[str, str | None] = {"prefill": None, "decode": None}
+#: The request id and trace headers of the last prefill and the last decode request.
+LAST_HEADERS: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+_RECORDED_HEADERS = (b"x-request-id", b"traceparent", b"tracestate")
 _PROMPT_TOKENS = 1000
 #: Ports whose decode requests fail with a 500 (a decode that broke).
 FAIL_DECODE_PORTS: set[int] = set()
@@ -201,6 +204,7 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         where = f"prefill:{scope['server'][1]}"  # which engine (port) prefilled
         COUNTS[where] = COUNTS.get(where, 0) + 1
         LAST_CACHE_SALT["prefill"] = body.get("cache_salt")
+        LAST_HEADERS["prefill"] = _recorded(scope)
         reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8
         answer = _completion("prefill")
         answer["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
@@ -234,6 +238,7 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
     if not params.get("do_remote_prefill"):
         COUNTS["decode_local"] = COUNTS.get("decode_local", 0) + 1
     LAST_CACHE_SALT["decode"] = body.get("cache_salt")
+    LAST_HEADERS["decode"] = _recorded(scope)
     _RETAINED[request_id] = {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
         "remote_request_id": request_id, "remote_host": "localhost", "remote_port": 2,
@@ -289,6 +294,10 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _recorded(scope: Scope) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in scope["headers"] if k in _RECORDED_HEADERS}
 
 
 async def _wait_unless_abandoned(seconds: float, receive: Any) -> bool:

@@ -21,6 +21,7 @@ Allowed differences, and why (the whole list):
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,3 +389,59 @@ def _reassembled(events: list[dict[str, Any]]) -> dict[str, Any]:
                 tool["name"] += function.get("name") or ""
                 tool["arguments"] += function.get("arguments") or ""
     return {"choices": choices, "usage": usage, "errors": errors}
+
+
+# ---- what a client moving from vLLM (or vllm-router) relies on beyond the bodies -------------
+
+
+def test_the_callers_request_id_is_echoed_and_reaches_the_engines(local_pair: LocalPair) -> None:
+    body = {"model": local_pair.model, "messages": _user("Hi"), "max_tokens": 4}
+    for stream in (False, True):
+        response = httpx.post(
+            local_pair.gateway_url + "/chat/completions",
+            json={**body, "stream": stream},
+            headers={"X-Request-Id": "diff-req-7"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert response.headers["x-request-id"] == "diff-req-7"
+        # vLLM names a chat reply after the request id it was sent: the engine saw the
+        # caller's id (then the gateway's 128 random bits).
+        if stream:
+            first = next(e for e in response.text.split("\n\n") if e.startswith("data: {"))
+            reply_id = orjson.loads(first.removeprefix("data: "))["id"]
+        else:
+            reply_id = response.json()["id"]
+        assert reply_id.startswith("chatcmpl-diff-req-7-kvturn-"), reply_id
+
+
+def test_a_stream_longer_than_the_request_timeout_completes(local_pair: LocalPair) -> None:
+    from kvturn.gateway.config import GatewayConfig, endpoints
+    from tests.gateway_fixtures import running_gateway
+
+    config = GatewayConfig(
+        prefill=endpoints([local_pair.prefill_url]),
+        decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
+        control_secret=local_pair.control_secret,
+        request_timeout_s=1.0,
+    )
+    body = {
+        "model": local_pair.model,
+        "messages": _user("Count on and on."),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with running_gateway(config) as gateway:
+        started = time.monotonic()
+        response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=300)
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+    usage = orjson.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 1500
+    # The stream outlived the timeout many times over: it bounds each wait, not the reply.
+    assert elapsed > 2 * config.request_timeout_s, elapsed

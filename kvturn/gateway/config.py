@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvturn.gateway.auth import ApiKeys
@@ -77,8 +78,11 @@ class GatewayConfig:
     #: Client connections open at once; past it a new connection gets a 503 and is closed.
     max_connections: int = 4096
     connect_timeout_s: float = 5.0
-    #: Upper bound on one upstream request (prefill, or a whole decode stream).
+    #: Upper bound on one engine request's wait: a whole reply, or a stream's first bytes and
+    #: then each silence between its chunks (a stream that keeps sending is never cut).
     request_timeout_s: float = 600.0
+    #: The longest a whole streamed reply may last, seconds (0: no cap).
+    max_stream_s: float = 0.0
     health_interval_s: float = 2.0
     #: How long to wait, after a decode reply ends, for its connector to publish the retained KV.
     publish_wait_s: float = 0.5
@@ -96,6 +100,10 @@ class GatewayConfig:
     #: that KV before the turn is taken to be lost (a failed write, a prefill that died) and
     #: served by a decode alone.
     push_write_timeout_s: float = 10.0
+    #: The OpenTelemetry tracer provider to trace turns with (an application embedding the
+    #: gateway, a test); None: the process's, or OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    #: (see :mod:`.tracing`).
+    tracer_provider: Any = field(default=None, repr=False, compare=False)
     #: The secret decode engines' kvturn control servers require (``KVTURN_CONTROL_SECRET``).
     control_secret: str | None = field(default=None, repr=False)
     #: The API keys callers must present, each naming a tenant (none: the gateway is open).
@@ -144,7 +152,8 @@ class GatewayConfig:
             "max_body_bytes": int, "body_budget_bytes": int, "read_timeout_s": float,
             "max_connections": int,
             "connect_timeout_s": float,
-            "request_timeout_s": float, "health_interval_s": float, "publish_wait_s": float,
+            "request_timeout_s": float, "max_stream_s": float,
+            "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
             "implicit_conversations": parse_flag, "state": str, "state_timeout_s": float,

@@ -12,6 +12,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_result, wait_fixed
 
+from kvturn.gateway import tracing
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.metrics import GatewayMetrics
@@ -28,10 +29,15 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
+        #: Spans for turns, if this gateway traces (:func:`~.tracing.tracer_for`).
+        self.tracer = tracing.tracer_for(config.tracer_provider)
         self.prefill = Pool("prefill", config.prefill)
         self.decode = Pool("decode", config.decode)
         self.upstream = Upstream(
-            config.connect_timeout_s, config.request_timeout_s, config.engine_api_key
+            config.connect_timeout_s,
+            config.request_timeout_s,
+            config.engine_api_key,
+            max_stream_s=config.max_stream_s,
         )
         self.metrics = metrics = GatewayMetrics()
 

@@ -850,3 +850,67 @@ def test_a_push_whose_write_never_arrives_is_served_by_decode_alone(stream: bool
             assert fine.status_code == 200
             assert fine.headers["x-kvturn-plan-reason"] != "push-lost"
             assert time.monotonic() - started < 0.4
+
+
+def test_the_callers_request_id_and_trace_reach_the_engines_and_come_back(gateway: str) -> None:
+    from tests import fake_engine
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for stream in (False, True):
+        response = _chat(
+            gateway, stream, **{"X-Request-Id": "req-42.a:b", "traceparent": parent,
+                                "tracestate": "vendor=1"},
+        )  # fmt: skip
+        assert response.status_code == 200
+        assert response.headers["x-request-id"] == "req-42.a:b"
+        for role in ("prefill", "decode"):
+            seen = fake_engine.LAST_HEADERS[role]
+            # The engines' ids start with the caller's (their logs name it), then 128 random
+            # bits of the gateway's own (decode keeps the turn's KV under it).
+            assert seen["x-request-id"].startswith("req-42.a:b-kvturn-"), (role, seen)
+            assert len(seen["x-request-id"]) == len("req-42.a:b-kvturn-") + 32
+            assert seen["traceparent"] == parent and seen["tracestate"] == "vendor=1"
+        # A fresh id per engine request.
+        assert fake_engine.LAST_HEADERS["prefill"] != fake_engine.LAST_HEADERS["decode"]
+
+
+def test_a_request_id_that_cannot_travel_inside_engine_ids_is_still_echoed(gateway: str) -> None:
+    from tests import fake_engine
+
+    for odd in ("user@example.com/7", "x" * 200):
+        response = _chat(gateway, **{"X-Request-Id": odd})
+        assert response.status_code == 200 and response.headers["x-request-id"] == odd
+        assert fake_engine.LAST_HEADERS["decode"]["x-request-id"].startswith("kvturn-")
+        assert "traceparent" not in fake_engine.LAST_HEADERS["decode"]
+
+
+def test_without_a_request_id_the_reply_names_the_engine_request(gateway: str) -> None:
+    from tests import fake_engine
+
+    response = _chat(gateway)
+    assert response.headers["x-request-id"] == fake_engine.LAST_HEADERS["decode"]["x-request-id"]
+    # A refused request echoes the caller's id too.
+    refused = httpx.post(
+        gateway + "/v1/chat/completions", content=b"not json", headers={"X-Request-Id": "r1"}
+    )
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "r1"
+
+
+def test_a_stream_longer_than_the_request_timeout_completes(fake_url: str) -> None:
+    # 40 chunks 20 ms apart (0.8 s) through a gateway whose engine requests time out after
+    # 0.3 s of silence: the timeout bounds waiting, not the length of a reply.
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]),
+        decode=endpoints([fake_url], [fake_url]),
+        request_timeout_s=0.3,
+    )
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "fake_slow_stream": 40}  # fmt: skip
+    with running_gateway(config) as running:
+        started = time.monotonic()
+        response = httpx.post(running.url + "/v1/chat/completions", json=body, timeout=10)
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200 and elapsed > 0.7
+    events = [e for e in response.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 41
+    assert "error" not in response.text

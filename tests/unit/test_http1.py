@@ -261,6 +261,66 @@ async def test_timeout_covers_the_whole_exchange() -> None:
     await client.close()
 
 
+def _steady(pieces: int, gap_s: float, then_silent_s: float = 0.0) -> Server:
+    """A chunked stream of ``pieces`` chunks ``gap_s`` apart, then (optionally) a silence
+    before its end."""
+
+    async def stream(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(pieces):
+            await asyncio.sleep(gap_s)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        await asyncio.sleep(then_silent_s)
+        writer.write(b"0\r\n\r\n")
+
+    return Server(stream)
+
+
+async def test_a_stream_that_keeps_sending_outlives_the_timeout() -> None:
+    # 1.2 s of chunks 0.1 s apart, against a 0.4 s timeout: the timeout bounds each silence,
+    # not the stream (a long reply streams for as long as the engine keeps sending).
+    client = HttpClient()
+    async with serving(_steady(12, 0.1)) as url:
+        started = asyncio.get_running_loop().time()
+        stream = await client.open("POST", url + "/", b"{}", timeout_s=0.4)
+        assert await stream.read() == b"x" * 12
+        assert asyncio.get_running_loop().time() - started > 1.0
+    await client.close()
+
+
+async def test_a_stream_that_falls_silent_is_cut_after_the_timeout() -> None:
+    client = HttpClient()
+    async with serving(_steady(3, 0.05, then_silent_s=5)) as url:
+        stream = await client.open("POST", url + "/", b"{}", timeout_s=0.3)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(HttpError, match=r"no bytes of the response for 0\.3 s"):
+            await stream.read()
+        assert asyncio.get_running_loop().time() - started < 2
+    await client.close()
+
+
+async def test_a_stream_whose_first_bytes_never_come_is_cut_after_the_timeout() -> None:
+    # Headers at once (as vLLM sends them), the first token never.
+    client = HttpClient()
+    async with serving(_steady(0, 0, then_silent_s=5)) as url:
+        stream = await client.open("POST", url + "/", b"{}", timeout_s=0.3)
+        with pytest.raises(HttpError, match=r"no bytes of the response for 0\.3 s"):
+            await stream.read()
+    await client.close()
+
+
+async def test_a_whole_stream_cap_cuts_a_stream_that_keeps_sending() -> None:
+    client = HttpClient(max_stream_s=0.5)
+    async with serving(_steady(40, 0.05)) as url:
+        stream = await client.open("POST", url + "/", b"{}", timeout_s=0.3)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(HttpError, match=r"ran past its cap of 0\.5 s"):
+            await stream.read()
+        assert asyncio.get_running_loop().time() - started < 1.5
+    await client.close()
+
+
 async def test_malformed_response_is_an_http_error() -> None:
     client = HttpClient()
     async with serving(Server(lambda head, body, w: w.write(b"NOT HTTP AT ALL\r\n\r\n"))) as url:

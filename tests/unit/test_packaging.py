@@ -29,6 +29,9 @@ DISTRIBUTION = {
     "redis": "redis",
     "tenacity": "tenacity",
     "asgi_lifespan": "asgi-lifespan",
+    # The API (the gateway extra's); kvturn/gateway/tracing.py imports the SDK (the otel
+    # extra's, same top-level package) only when asked to export, and says what to install.
+    "opentelemetry": "opentelemetry-api",
     "safetensors": "safetensors",
     "tokenizers": "tokenizers",
     "transformers": "transformers",

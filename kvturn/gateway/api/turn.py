@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from kvturn import headers as h
+from kvturn.gateway import tracing
 from kvturn.gateway.api.authenticate import TENANT_SCOPE_KEY
 from kvturn.gateway.auth import tenant_salt
 from kvturn.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest
@@ -33,8 +34,14 @@ TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PAT
 #: The request headers the turn path reads (ASGI gives names lower-cased, as bytes).
 _TURN_HEADERS = {
     name.lower().encode("latin-1"): name
-    for name in (h.CONVERSATION_ID, h.SESSION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND)
+    for name in (
+        *(h.CONVERSATION_ID, h.SESSION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND),
+        *(h.REQUEST_ID, h.TRACEPARENT, h.TRACESTATE),
+    )
 }
+
+#: The W3C trace context headers carried from the caller to the engines.
+_TRACE_HEADERS = (h.TRACEPARENT, h.TRACESTATE)
 
 
 class TurnEndpoint:
@@ -47,15 +54,23 @@ class TurnEndpoint:
         self.gateway = gateway
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # One trace per turn (when tracing is on), until its reply is sent.
+        span = tracing.start_turn(self.gateway.tracer, scope["path"], scope["headers"])
+        status, headers = 500, {}
         try:
-            body = await _read_body(receive, self.gateway.config.max_body_bytes)
-        except GatewayError as error:
-            reply = error_reply(error)
-        else:
-            reply = await serve_turn(
-                self.gateway, scope["path"], scope["headers"], body, scope[TENANT_SCOPE_KEY]
-            )
-        await send_reply(reply, receive, send)
+            with tracing.current(span):
+                try:
+                    body = await _read_body(receive, self.gateway.config.max_body_bytes)
+                except GatewayError as error:
+                    reply = error_reply(error)
+                else:
+                    reply = await serve_turn(
+                        self.gateway, scope["path"], scope["headers"], body, scope[TENANT_SCOPE_KEY]
+                    )
+                status, headers = reply.status, reply.headers
+                await send_reply(reply, receive, send)
+        finally:
+            tracing.end_turn(span, status, headers)
 
 
 async def serve_turn(
@@ -97,17 +112,23 @@ async def serve_turn(
             body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
         pause = _record_pause(gateway.metrics, headers)
         turn = Turn(path, body, conversation_id, turn_id, pause=pause, tenant=tenant)
+        turn.request_id = headers.get(h.REQUEST_ID)
+        turn.trace_headers = {k: headers[k] for k in _TRACE_HEADERS if k in headers}
+        turn.tracer = gateway.tracer
         reply = await gateway.runner.run(turn)
         if responses is not None:
-            return await answer_as_response(responses, reply, gateway.responses, tenant)
-        return reply
+            reply = await answer_as_response(responses, reply, gateway.responses, tenant)
     except GatewayError as error:
         if error.status >= 500:
             logger.warning("turn failed: %s", error.message)
-        return error_reply(error)
+        reply = error_reply(error)
     except Exception:
         logger.exception("unexpected error serving %s", path)
-        return error_reply(GatewayError("internal gateway error"))
+        reply = error_reply(GatewayError("internal gateway error"))
+    request_id = headers.get(h.REQUEST_ID)
+    if request_id is not None:
+        reply.headers[h.REQUEST_ID] = request_id  # as it came, as vLLM's server echoes it
+    return reply
 
 
 async def _read_body(receive: Any, limit: int) -> bytes:

@@ -22,43 +22,25 @@ Semantics worth knowing:
   its method is idempotent: the server may also have failed while serving it, and a POST to
   an engine (a prefill, a decode) must not run twice. The POST's caller gets the error and
   its own fallback decides (the turn path retries as a new request where that is safe).
-* **Timeouts**: ``connect_timeout_s`` to open a connection; ``timeout_s`` for the whole
-  exchange, streamed bodies included (the deadline aborts the connection).
+* **Timeouts**: ``connect_timeout_s`` to open a connection. A whole response
+  (:meth:`HttpClient.request`) must arrive within ``timeout_s``. A stream
+  (:meth:`HttpClient.open`) must bring its first body bytes within ``timeout_s`` of the request,
+  and then never fall silent for longer: a reasoning model's reply may stream for an hour, a
+  stalled engine is noticed. ``max_stream_s`` (0: none) caps a whole stream where an operator
+  wants that. A deadline that passes aborts the connection.
 * **Streams** (:meth:`HttpClient.open`) deliver body bytes as they arrive (de-chunked, never
-  re-framed). Reading pauses when more than ``_STREAM_HIGH_WATER`` bytes wait unconsumed. A
+  re-framed). Reading pauses when more than ``pool.STREAM_HIGH_WATER`` bytes wait unconsumed. A
   stream closed before its end aborts the connection, which tells the server the reader left.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import httptools
 import orjson
 
-_STREAM_HIGH_WATER = 1 << 20  # bytes buffered for a stream reader before reading pauses
-
-
-class HttpError(Exception):
-    """The exchange failed: no (complete) response."""
-
-
-class _Stale(HttpError):
-    """A reused connection failed before any response byte: the server closed it while idle
-    (and never saw the request), or, rarely, failed while serving it."""
-
-    def __init__(self, message: str, *, before_sending: bool = False):
-        super().__init__(message)
-        #: Found closed before the request was written: it certainly never arrived.
-        self.before_sending = before_sending
-
-
-#: Methods that may be sent again after a stale connection (RFC 9110 §9.2.2).
-_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+from kvturn.gateway.http.pool import IDEMPOTENT, Connection, HttpError, Pool, Stale
 
 
 class Response:
@@ -75,199 +57,13 @@ class Response:
         return orjson.loads(self.body)
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection carrying one exchange at a time."""
-
-    def __init__(self, pool: _Pool):
-        self.pool = pool
-        self.transport: Any = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.reused = False
-        self.idle_since = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self.chunks: list[bytes] = []
-        self.buffered = 0
-        self.got_bytes = False
-        self.headers_done = False
-        self.complete = False
-        self.keep_alive = True
-        self.error: HttpError | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.paused = False
-        self.deadline: asyncio.TimerHandle | None = None
-        self.timeout_s = 0.0
-
-    # -- asyncio.Protocol ---------------------------------------------------------------------
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as error:
-            self._fail(HttpError(f"malformed response: {error}"))
-            self.transport.abort()
-
-    def eof_received(self) -> bool | None:
-        return None  # close our side too
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.complete:
-            return
-        if (
-            self.headers_done
-            and "content-length" not in self.headers
-            and ("transfer-encoding" not in self.headers)
-        ):
-            self.on_message_complete()  # a body delimited by the connection closing
-            return
-        stale = self.reused and not self.got_bytes
-        error = (_Stale if stale else HttpError)(
-            f"connection closed before the response was complete ({exc or 'EOF'})"
-        )
-        self._fail(error)
-
-    # -- httptools callbacks ------------------------------------------------------------------
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-        self.headers_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > _STREAM_HIGH_WATER and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
-        self._wake()
-
-    # -- the exchange -------------------------------------------------------------------------
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, error: HttpError) -> None:
-        if self.error is None:
-            self.error = error
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
-        self._wake()
-
-    def _timed_out(self) -> None:
-        self.deadline = None
-        self._fail(HttpError(f"no complete response within {self.timeout_s:g} s"))
-        self.transport.abort()
-
-    def start(self, request: bytes, timeout_s: float, loop: asyncio.AbstractEventLoop) -> None:
-        self._reset()
-        self.timeout_s = timeout_s
-        self.deadline = loop.call_later(timeout_s, self._timed_out)
-        self.transport.write(request)
-
-    async def wait(self) -> None:
-        """Until something changes (headers, a chunk, the end, an error)."""
-        if self.error is not None:
-            raise self.error
-        self.waiter = self.pool.loop.create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-        if self.error is not None:
-            raise self.error
-
-    def take_chunks(self) -> list[bytes]:
-        chunks, self.chunks, self.buffered = self.chunks, [], 0
-        if self.paused and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
-        return chunks
-
-    def abort(self) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
-
-
-class _Pool:
-    """Keep-alive connections to one origin (most recently used first)."""
-
-    def __init__(self, client: HttpClient, host: str, port: int):
-        self.client = client
-        self.host = host
-        self.port = port
-        self.loop = asyncio.get_running_loop()
-        self.idle: collections.deque[_Connection] = collections.deque()
-        self.host_header = f"{host}:{port}".encode("latin-1")
-
-    async def acquire(self, fresh: bool = False) -> _Connection:
-        if not fresh:
-            now = time.monotonic()
-            while self.idle:
-                conn = self.idle.pop()
-                if conn.closed:
-                    continue
-                if now - conn.idle_since > self.client.idle_timeout_s:
-                    conn.abort()
-                    continue
-                conn.reused = True
-                return conn
-        try:
-            _, conn = await asyncio.wait_for(
-                self.loop.create_connection(lambda: _Connection(self), self.host, self.port),
-                self.client.connect_timeout_s,
-            )
-        except (OSError, TimeoutError) as error:
-            raise HttpError(f"cannot connect to {self.host}:{self.port}: {error!r}") from None
-        return conn
-
-    def release(self, conn: _Connection) -> None:
-        if conn.closed or not conn.complete or not conn.keep_alive or conn.error is not None:
-            conn.abort()
-            return
-        conn.idle_since = time.monotonic()
-        self.idle.append(conn)
-        if len(self.idle) > self.client.max_idle_per_origin:
-            self.idle.popleft().abort()
-
-    def close(self) -> None:
-        while self.idle:
-            self.idle.pop().abort()
-
-
 class StreamResponse:
     """A response whose headers arrived; its body is read as it comes. Always close it (or
     read it to the end): ``async with`` or ``await stream.aclose()``."""
 
-    def __init__(self, pool: _Pool, conn: _Connection):
+    def __init__(self, pool: Pool, conn: Connection):
         self._pool = pool
-        self._conn: _Connection | None = conn
+        self._conn: Connection | None = conn
         self._finished = False
         self.status = conn.status
         self.headers = conn.headers
@@ -341,13 +137,16 @@ class HttpClient:
         timeout_s: float = 600.0,
         idle_timeout_s: float = 3.0,
         max_idle_per_origin: int = 256,
+        max_stream_s: float = 0.0,
     ):
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
+        #: The longest a whole stream may last (0: as long as it keeps sending).
+        self.max_stream_s = max_stream_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
         #: "http://host:port" -> its pool
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, Pool] = {}
 
     async def request(
         self,
@@ -383,7 +182,7 @@ class HttpClient:
         headers: Mapping[str, str] | None,
         timeout_s: float | None,
         until_complete: bool,
-    ) -> tuple[_Pool, _Connection]:
+    ) -> tuple[Pool, Connection]:
         """One exchange on a pooled connection; once more on a fresh one if the reused
         connection turned out dead before any response byte and sending again is safe: it
         was found closed before the request went out, or the method is idempotent. A POST
@@ -394,8 +193,8 @@ class HttpClient:
         conn = await pool.acquire()
         try:
             await self._exchange(pool, conn, payload, timeout_s, until_complete)
-        except _Stale as stale:
-            if not (stale.before_sending or method in _IDEMPOTENT):
+        except Stale as stale:
+            if not (stale.before_sending or method in IDEMPOTENT):
                 raise HttpError(str(stale)) from None
             conn = await pool.acquire(fresh=True)
             await self._exchange(pool, conn, payload, timeout_s, until_complete)
@@ -403,8 +202,8 @@ class HttpClient:
 
     async def _exchange(
         self,
-        pool: _Pool,
-        conn: _Connection,
+        pool: Pool,
+        conn: Connection,
         payload: bytes,
         timeout_s: float | None,
         until_complete: bool,
@@ -412,16 +211,20 @@ class HttpClient:
         try:
             if conn.closed:
                 if conn.reused:
-                    raise _Stale("connection closed", before_sending=True)
+                    raise Stale("connection closed", before_sending=True)
                 raise HttpError("connection closed")
-            conn.start(payload, timeout_s or self.timeout_s, pool.loop)
+            streaming = not until_complete
+            max_s = self.max_stream_s if streaming else 0.0
+            conn.start(
+                payload, timeout_s or self.timeout_s, pool.loop, streaming=streaming, max_s=max_s
+            )
             while not (conn.complete if until_complete else conn.headers_done):
                 await conn.wait()
         except BaseException:
             conn.abort()
             raise
 
-    def _route(self, url: str) -> tuple[_Pool, str]:
+    def _route(self, url: str) -> tuple[Pool, str]:
         slash = url.find("/", 7)
         prefix = url if slash < 0 else url[:slash]
         path = "/" if slash < 0 else url[slash:]
@@ -430,7 +233,7 @@ class HttpClient:
             pool = self._pools[prefix] = self._new_pool(prefix)
         return pool, path
 
-    def _new_pool(self, prefix: str) -> _Pool:
+    def _new_pool(self, prefix: str) -> Pool:
         if not prefix.startswith("http://"):
             raise HttpError(f"only http:// URLs are supported: {prefix!r}")
         hostport = prefix[7:]
@@ -438,7 +241,7 @@ class HttpClient:
         if not sep or not port.isdigit():
             host, port = hostport, "80"
         host = host.strip("[]")
-        return _Pool(self, host, int(port))
+        return Pool(self, host, int(port))
 
     async def close(self) -> None:
         for pool in self._pools.values():

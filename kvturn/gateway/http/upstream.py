@@ -26,17 +26,24 @@ class Upstream:
     """One connection-pooling client for every engine."""
 
     def __init__(
-        self, connect_timeout_s: float, request_timeout_s: float, api_key: str | None = None
+        self,
+        connect_timeout_s: float,
+        request_timeout_s: float,
+        api_key: str | None = None,
+        max_stream_s: float = 0.0,
     ):
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._max_stream_s = max_stream_s
         self._client: HttpClient | None = None
         #: The engines' API key (vLLM's ``--api-key``), sent on every engine request.
         self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._json = {**_JSON, **self._auth}
 
     async def start(self) -> None:
-        self._client = HttpClient(self._connect_timeout_s, self._request_timeout_s)
+        self._client = HttpClient(
+            self._connect_timeout_s, self._request_timeout_s, max_stream_s=self._max_stream_s
+        )
 
     async def close(self) -> None:
         if self._client is not None:

@@ -44,7 +44,9 @@ from kvturn.gateway.config import EngineEndpoint, GatewayConfig
 
 #: Gateway settings the file may not carry (pools have their own tables; secrets and keys stay
 #: out of files anyone might commit).
-_NOT_IN_FILE = frozenset({"prefill", "decode", "control_secret", "api_keys", "engine_api_key"})
+_NOT_IN_FILE = frozenset(
+    {"prefill", "decode", "control_secret", "api_keys", "engine_api_key", "tracer_provider"}
+)
 SETTINGS = frozenset(f.name for f in fields(GatewayConfig)) - _NOT_IN_FILE
 #: Each setting's type, as its default has it (``state``'s default is None: a string).
 _KINDS: dict[str, type] = {

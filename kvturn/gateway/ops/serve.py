@@ -20,7 +20,12 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "read_timeout_s": (float, "a request must arrive whole this soon, seconds (else 408)"),
     "max_connections": (int, "client connections open at once (503 past it)"),
     "connect_timeout_s": (float, "engine connect timeout, seconds"),
-    "request_timeout_s": (float, "upper bound on one engine request, seconds"),
+    "request_timeout_s": (
+        float,
+        "longest wait on an engine: a whole reply, or a stream's first bytes and each silence "
+        "in it, seconds",
+    ),
+    "max_stream_s": (float, "longest a whole streamed reply may last, seconds (0: no cap)"),
     "health_interval_s": (float, "engine health-check period, seconds"),
     "publish_wait_s": (float, "wait for decode to publish retained KV, seconds"),
     "decode_local": (parse_flag, "on/off: short turns continue on the decode holding the history"),

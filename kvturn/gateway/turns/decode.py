@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from kvturn import headers as h
+from kvturn.gateway import tracing
 from kvturn.gateway.digests import reply_message
 from kvturn.gateway.errors import NoHealthyEngine
 from kvturn.gateway.http.upstream import UpstreamUnavailable
@@ -83,7 +84,7 @@ class Decoder:
                 instance = self.context.decode.choose(prefer=prefer)
         # 128 random bits: the reply's id is made of it (no turn counter shows through), and
         # decode publishes the KV it retains under it. (A push turn's prefill shares it.)
-        request_id = request_id or f"kvturn-{os.urandom(16).hex()}"
+        request_id = request_id or turn.engine_request_id()
         body = dict(turn.body)
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
@@ -101,12 +102,25 @@ class Decoder:
             h.PLAN: plan.plan,
             h.PLAN_REASON: plan.reason,
             h.REUSED_TOKENS: str(prefilled.reused_tokens),
+            # The engine request's id (the caller's own, where it sent one, replaces it at the
+            # edge): what the engines' logs name the turn by.
+            h.REQUEST_ID: request_id,
         }
         if conversation is not None:
             response_headers[h.CONVERSATION_ID] = conversation.conversation_id
             response_headers[h.LEASE_SECONDS] = f"{lease_s:g}"
-        url = instance.url + turn.path
-        upstream_headers = {"X-Request-Id": request_id}
+        # Traced (when on) from the request to the end of its reply; the engine's own spans
+        # join the trace through its traceparent.
+        spans = tracing.start_decode(
+            turn.tracer, transfer=turn.stream and prefilled.instance is not None
+        )
+        sending = _Sending(
+            instance.url + turn.path,
+            body,
+            turn.engine_headers(request_id, spans.context if spans is not None else None),
+            response_headers,
+            spans,
+        )
         after = After(
             taken,
             instance if keep else None,
@@ -121,49 +135,83 @@ class Decoder:
         )
 
         instance.last_sent = time.monotonic()
-        if not turn.stream:
-            instance.in_flight += 1
-            try:
-                response = await self.context.upstream.post_json(url, body, upstream_headers)
-            except UpstreamUnavailable as error:
-                raise DecodeFailed(instance.url, unreachable=True) from error
-            except asyncio.CancelledError:
-                # The client left: the engine request was closed (vLLM aborts it). Free what
-                # decode may keep of it, as for a stream the client left.
-                after.holder, after.incomplete = None, True
-                prefilled.uncounted = None  # nor counted: the turn never answered
-                self.settlement.settle_later(after)
-                raise
-            finally:
-                instance.in_flight -= 1
-            if response.status >= 500:
-                raise DecodeFailed(instance.url, unreachable=False)
-            if response.status != 200:
-                after.holder, prefilled.uncounted = None, None  # no turn to count
-                self.settlement.settle_later(after)
-                return passthrough(response.status, response.body, response_headers)
-            payload = response.body
-            data = response.json()
-            if plan.local:
-                # The holder says how much its prefix cache served.
-                cached = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-                if "cached_tokens" in cached:
-                    prefilled.reused_tokens = int(cached["cached_tokens"] or 0)
-                    response_headers[h.REUSED_TOKENS] = str(prefilled.reused_tokens)
-            self.settlement.count(prefilled, instance)
-            after.retained = retained_in(data.get("kv_transfer_params"))
-            if after.retained is None and after.holder is not None:
-                # Decode did not say where the KV stays: the record waits on asking it.
-                self.settlement.mark_settling(after)
-            if data.get("kv_transfer_params") is not None:
-                # Engine-internal: shown to callers as one engine alone shows it (null).
-                data["kv_transfer_params"] = None
-                payload = orjson.dumps(data)
-            if turn.implicit is not None:
-                after.reply = reply_message(data)
-            self.settlement.settle_later(after)
-            return Reply(200, payload, response_headers)
+        try:
+            if turn.stream:
+                reply = await self._streamed(turn, instance, prefilled, after, sending)
+            else:
+                reply = await self._whole(turn, instance, prefilled, after, sending)
+        except BaseException:
+            if spans is not None:
+                spans.end()
+            raise
+        if spans is not None and reply.stream is None:
+            spans.end(reply.status)
+        return reply
 
+    async def _whole(
+        self,
+        turn: Turn,
+        instance: Instance,
+        prefilled: PrefillResult,
+        after: After,
+        sending: _Sending,
+    ) -> Reply:
+        """Decode's whole reply (not streamed)."""
+        url, body, upstream_headers = sending.url, sending.body, sending.headers
+        response_headers, plan = sending.reply_headers, prefilled.plan
+        instance.in_flight += 1
+        try:
+            response = await self.context.upstream.post_json(url, body, upstream_headers)
+        except UpstreamUnavailable as error:
+            raise DecodeFailed(instance.url, unreachable=True) from error
+        except asyncio.CancelledError:
+            # The client left: the engine request was closed (vLLM aborts it). Free what
+            # decode may keep of it, as for a stream the client left.
+            after.holder, after.incomplete = None, True
+            prefilled.uncounted = None  # nor counted: the turn never answered
+            self.settlement.settle_later(after)
+            raise
+        finally:
+            instance.in_flight -= 1
+        if response.status >= 500:
+            raise DecodeFailed(instance.url, unreachable=False)
+        if response.status != 200:
+            after.holder, prefilled.uncounted = None, None  # no turn to count
+            self.settlement.settle_later(after)
+            return passthrough(response.status, response.body, response_headers)
+        payload = response.body
+        data = response.json()
+        if plan.local:
+            # The holder says how much its prefix cache served.
+            cached = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+            if "cached_tokens" in cached:
+                prefilled.reused_tokens = int(cached["cached_tokens"] or 0)
+                response_headers[h.REUSED_TOKENS] = str(prefilled.reused_tokens)
+        self.settlement.count(prefilled, instance)
+        after.retained = retained_in(data.get("kv_transfer_params"))
+        if after.retained is None and after.holder is not None:
+            # Decode did not say where the KV stays: the record waits on asking it.
+            self.settlement.mark_settling(after)
+        if data.get("kv_transfer_params") is not None:
+            # Engine-internal: shown to callers as one engine alone shows it (null).
+            data["kv_transfer_params"] = None
+            payload = orjson.dumps(data)
+        if turn.implicit is not None:
+            after.reply = reply_message(data)
+        self.settlement.settle_later(after)
+        return Reply(200, payload, response_headers)
+
+    async def _streamed(
+        self,
+        turn: Turn,
+        instance: Instance,
+        prefilled: PrefillResult,
+        after: After,
+        sending: _Sending,
+    ) -> Reply:
+        """Decode's reply as a stream, relayed as it comes (:class:`~.relay.Relay`)."""
+        url, body, upstream_headers = sending.url, sending.body, sending.headers
+        response_headers = sending.reply_headers
         instance.in_flight += 1
         sent = time.perf_counter()
         try:
@@ -186,8 +234,21 @@ class Decoder:
             after.holder, prefilled.uncounted = None, None  # no turn to count
             self.settlement.settle_later(after)
             return passthrough(upstream.status, payload, response_headers)
-        relay = Relay(self.settlement, upstream, instance, prefilled, after, turn.started, sent)
+        relay = Relay(
+            self.settlement, upstream, instance, prefilled, after, turn.started, sent, sending.spans
+        )
         return Reply(200, headers=response_headers, stream=relay)
+
+
+@dataclass(slots=True)
+class _Sending:
+    """One decode request: where, what, with which headers; the reply's headers; its spans."""
+
+    url: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    reply_headers: dict[str, str]
+    spans: tracing.DecodeSpans | None
 
 
 def retained_in(params: Any) -> dict[str, Any] | None:

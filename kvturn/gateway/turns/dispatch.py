@@ -56,7 +56,9 @@ class Dispatch:
             instance.in_flight += 1
             started = time.perf_counter()
             try:
-                response = await self.context.upstream.post_json(instance.url + turn.path, body)
+                response = await self.context.upstream.post_json(
+                    instance.url + turn.path, body, turn.engine_headers(turn.engine_request_id())
+                )
             except UpstreamUnavailable:
                 instance.healthy = False
                 response = None

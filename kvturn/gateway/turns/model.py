@@ -4,10 +4,17 @@ engines get."""
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from kvturn import headers as h
+from kvturn.gateway import tracing
 from kvturn.gateway.digests import message_digests, salt_digest, seed
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
@@ -17,6 +24,9 @@ from kvturn.wire import PREFILL_FOR_REMOTE_DECODE
 
 #: What prefill gets when nothing is reused: compute, and keep the KV for decode to pull.
 RECOMPUTE_PARAMS = PREFILL_FOR_REMOTE_DECODE
+#: A caller's ``X-Request-Id`` that the engines' request ids may start with: what travels
+#: safely inside vLLM's ids, NIXL's notifications and the connector's lease keys.
+_FORWARDED_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: Sampling fields that only matter for the reply, dropped from the prefill request.
 _DECODE_ONLY_FIELDS = ("max_completion_tokens", "stream_options", "min_tokens", "n")
 
@@ -42,6 +52,13 @@ class Turn:
     state_unavailable: bool = False
     #: A chat turn's chained message digests (see :meth:`message_digests`).
     digests: list[bytes] | None = None
+    #: The caller's ``X-Request-Id``, if any (echoed on the reply; the engines' request ids
+    #: start with it where it travels safely).
+    request_id: str | None = None
+    #: The caller's W3C trace context (``traceparent``, ``tracestate``), carried to the engines.
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    #: The gateway's tracer, when it traces (:mod:`kvturn.gateway.tracing`).
+    tracer: trace.Tracer | None = None
     #: What the conversation keeps of the request's ``cache_salt``
     #: (:func:`~kvturn.gateway.digests.salt_digest`): its KV is reused only under the same.
     salt: bytes | None = field(init=False)
@@ -52,6 +69,28 @@ class Turn:
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
+
+    def engine_request_id(self) -> str:
+        """A new id for one engine request of this turn: 128 random bits (decode publishes the
+        KV it retains under it, and the reply's id is made of it), after the caller's
+        ``X-Request-Id`` where that travels safely, so the engines' logs and traces name it."""
+        drawn = f"kvturn-{os.urandom(16).hex()}"
+        given = self.request_id
+        if given is not None and _FORWARDED_REQUEST_ID.fullmatch(given):
+            return f"{given}-{drawn}"
+        return drawn
+
+    def engine_headers(
+        self, request_id: str, trace_context: otel_context.Context | None = None
+    ) -> dict[str, str]:
+        """The headers of an engine request of this turn: its id, and the trace it is part of:
+        the gateway's current span (or ``trace_context``'s) when tracing is on, else the
+        caller's trace context as it came."""
+        if self.tracer is None:
+            return {h.REQUEST_ID: request_id, **self.trace_headers}
+        headers = {h.REQUEST_ID: request_id}
+        tracing.inject(headers, trace_context)
+        return headers
 
     def message_digests(self) -> list[bytes]:
         """Digest ``i`` commits to the tenant, model, cache salt and messages ``0..i``

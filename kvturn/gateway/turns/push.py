@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
+from kvturn.gateway import tracing
 from kvturn.gateway.errors import NoHealthyEngine
 from kvturn.gateway.http.upstream import UpstreamUnavailable
 from kvturn.gateway.planner import TurnPlan
@@ -73,7 +73,7 @@ class PushDispatch:
             logger.warning("prefill %s: no NIXL identity from its control server", prefill.url)
             prefill.healthy = False
             return await self.dispatch.decode_alone(turn, taken, "prefill-unreachable", avoid)
-        request_id = f"kvturn-{os.urandom(16).hex()}"
+        request_id = turn.engine_request_id()
         pushed = PrefillResult(
             prefill,
             {
@@ -186,9 +186,10 @@ class PushDispatch:
         prefill.in_flight += 1
         started = time.perf_counter()
         try:
-            response = await self.context.upstream.post_json(
-                prefill.url + turn.path, body, {"X-Request-Id": request_id}
-            )
+            with tracing.phase(turn.tracer, "kvturn.prefill"):
+                response = await self.context.upstream.post_json(
+                    prefill.url + turn.path, body, turn.engine_headers(request_id)
+                )
         except UpstreamUnavailable:
             prefill.healthy = False
             response = None

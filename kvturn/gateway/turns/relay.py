@@ -10,6 +10,7 @@ import time
 
 import orjson
 
+from kvturn.gateway import tracing
 from kvturn.gateway.digests import ReplyCollector
 from kvturn.gateway.errors import UpstreamError
 from kvturn.gateway.http.upstream import StreamResponse, UpstreamUnavailable, next_chunk
@@ -47,6 +48,7 @@ class Relay:
         after: After,
         started: float,
         sent: float,
+        spans: tracing.DecodeSpans | None = None,
     ):
         self.settlement = settlement
         self.upstream = upstream
@@ -55,6 +57,7 @@ class Relay:
         self.instance = instance
         self.started = started
         self.sent = sent
+        self.spans = spans
         self.collector = ReplyCollector() if after.implicit is not None else None
         self.first = True
         self.closed = False
@@ -84,6 +87,8 @@ class Relay:
                 self.done = True
             if self.first:
                 self.first = False
+                if self.spans is not None:
+                    self.spans.first_token()
                 now = time.perf_counter()
                 settlement, prefilled = self.settlement, self.prefilled
                 settlement.context.metrics.ttft_by[prefilled.plan.plan].observe(now - self.started)
@@ -107,6 +112,8 @@ class Relay:
         completed = (self.upstream.at_end or self.done) and not self.broken
         await self.upstream.aclose()
         self.instance.in_flight -= 1
+        if self.spans is not None:
+            self.spans.end(200 if completed else None)
         if self.first:
             # Closed before any chunk: decode took the turn all the same.
             self.settlement.count(self.prefilled, self.instance)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from kvturn.gateway import tracing
 from kvturn.gateway.batches import batched_prompts, serve_batch
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.errors import NoHealthyEngine, UpstreamError
@@ -86,7 +87,8 @@ class TurnRunner:
         answers, the other side's engine serves the turn alone."""
         conversation = taken.conversation if taken is not None else None
         self.wake_decode(conversation)
-        reuse = await self.reuse.plan(turn, conversation)
+        with tracing.phase(turn.tracer, "kvturn.plan"):
+            reuse = await self.reuse.plan(turn, conversation)
         failed: Instance | None = None
         if reuse.plan.local:
             assert reuse.holder is not None
@@ -119,7 +121,8 @@ class TurnRunner:
             if not self.context.decode.healthy():
                 return await self.dispatch.prefill_alone(turn, taken, "no-decode")
             try:
-                prefilled = await self.dispatch.prefill(turn, reuse)
+                with tracing.phase(turn.tracer, "kvturn.prefill"):
+                    prefilled = await self.dispatch.prefill(turn, reuse)
             except NoHealthyEngine:
                 return await self.dispatch.decode_alone(turn, taken, "no-prefill", failed)
             except UpstreamError:
