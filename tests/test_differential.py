@@ -423,7 +423,8 @@ def test_a_stream_longer_than_the_request_timeout_completes(local_pair: LocalPai
         prefill=endpoints([local_pair.prefill_url]),
         decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
         control_secret=local_pair.control_secret,
-        request_timeout_s=1.0,
+        # 1,500 tokens stream for about 10 s on the tiny model here; no gap comes near 3 s.
+        request_timeout_s=3.0,
     )
     body = {
         "model": local_pair.model,
