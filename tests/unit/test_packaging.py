@@ -29,6 +29,7 @@ DISTRIBUTION = {
     "redis": "redis",
     "tenacity": "tenacity",
     "asgi_lifespan": "asgi-lifespan",
+    "pythonjsonlogger": "python-json-logger",
     "safetensors": "safetensors",
     "tokenizers": "tokenizers",
     "transformers": "transformers",
