@@ -2,7 +2,7 @@
 # Prove the gateway extra's ranges (pyproject.toml): run the unit tests that exercise those
 # packages (kvturn top's rich screens, the Redis table through redis-py and hiredis, the HTTP
 # server's ASGI lifespan, the retry policies of tenacity, Starlette, uvloop, httptools, orjson,
-# prometheus-client) at both ends, each in a small venv of its own (.venv-compat-gateway-*:
+# prometheus-client, python-json-logger's JSON logs) at both ends, each in a small venv of its own (.venv-compat-gateway-*:
 # kvturn with the gateway extra and the test tools, no vLLM):
 #   lowest: every gateway requirement at the lowest release its range admits (its ">=");
 #   newest: the newest releases the ranges admit when the venv is made.
@@ -14,7 +14,7 @@ python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null 2>&1 || python=python3
 tests=(tests/unit/test_top.py tests/unit/test_conversation_tables.py
   tests/unit/test_http_server.py tests/unit/test_leases.py tests/unit/test_gateway_app.py
-  tests/unit/test_gateway_replicas.py)
+  tests/unit/test_gateway_replicas.py tests/unit/test_access_log.py)
 
 # The gateway extra at its lower ends ("name==X" for each "name>=X"), and the dev extra's test
 # tools (with what the tests import besides: hypothesis, pyte).

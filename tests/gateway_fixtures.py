@@ -229,3 +229,23 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name) and line[len(name)] in " {":
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def vllm_auth_middleware() -> Any:
+    """vLLM's own ``AuthenticationMiddleware`` class (what ``--api-key`` adds to its API
+    server), loaded from the installed wheel's file alone: importing the whole ``vllm`` package
+    takes seconds. Skips the test where vLLM is not installed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    path = Path(spec.submodule_search_locations[0], "entrypoints/serve/middleware/authenticate.py")
+    if not path.exists():
+        pytest.skip(f"no {path}: another vLLM layout")
+    module_spec = importlib.util.spec_from_file_location("_vllm_authenticate", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.AuthenticationMiddleware

@@ -391,6 +391,77 @@ def _reassembled(events: list[dict[str, Any]]) -> dict[str, Any]:
     return {"choices": choices, "usage": usage, "errors": errors}
 
 
+def test_a_keyed_gateway_guards_what_a_keyed_engine_guards(local_pair: LocalPair) -> None:
+    """With an API key, the gateway answers each route with the status a vLLM engine started
+    with ``--api-key`` gives it: ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``
+    and ``/health`` open; ``/v1/...`` 401 without the key. The keyed engine is the test pair's
+    prefill behind vLLM's own ``AuthenticationMiddleware``, loaded from the installed wheel
+    (``vllm/entrypoints/serve/middleware/authenticate.py``), which is all ``--api-key`` adds
+    to vLLM's API server (``serve/middleware/register.py``): starting a third engine with the
+    flag would cost minutes of this machine's cores for the same middleware. Statuses only: a
+    401's body is OpenAI's shape (what the SDKs read), where vLLM's is ``{"error":
+    "Unauthorized"}``."""
+    import asyncio
+
+    from kvturn.gateway.auth import ApiKeys
+    from kvturn.gateway.config import GatewayConfig, endpoints
+    from tests.gateway_fixtures import running_gateway, vllm_auth_middleware
+
+    key = "sk-differential-0123456789abcdef"
+    engine = local_pair.prefill_url
+
+    async def forward(scope: Any, receive: Any, send: Any) -> None:
+        """The engine itself, behind the middleware (an HTTP relay)."""
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        async with httpx.AsyncClient(timeout=300) as client:
+            answer = await client.request(
+                scope["method"], engine + scope["path"], content=body,
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+        await send({"type": "http.response.start", "status": answer.status_code, "headers": []})
+        await send({"type": "http.response.body", "body": answer.content})
+
+    keyed_engine = vllm_auth_middleware()(forward, tokens=[key])
+
+    async def engine_status(method: str, path: str, body: Any, headers: dict[str, str]) -> int:
+        transport = httpx.ASGITransport(app=keyed_engine)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            answer = await client.request(method, path, json=body, headers=headers)
+            return answer.status_code
+
+    calls: list[tuple[str, str, Any]] = [
+        ("GET", "/metrics", None),
+        ("POST", "/tokenize", {"prompt": "Hello there"}),
+        ("POST", "/detokenize", {"tokens": [72, 101]}),
+        ("GET", "/version", None),
+        ("GET", "/health", None),
+        ("GET", "/v1/models", None),
+        ("POST", _CHAT, {"model": local_pair.model, "messages": _user("Hi"), "max_tokens": 1}),
+    ]
+    config = GatewayConfig(
+        prefill=endpoints([local_pair.prefill_url]),
+        decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
+        control_secret=local_pair.control_secret,
+        api_keys=ApiKeys([(key, "differential")]),
+    )
+    with running_gateway(config) as gateway:
+        for auth in (None, f"Bearer {key}", "Bearer sk-wrong-0123456789abcdef"):
+            headers = {"Authorization": auth} if auth else {}
+            for method, path, body in calls:
+                got = httpx.request(
+                    method, gateway.url + path, json=body, headers=headers, timeout=300
+                ).status_code
+                want = asyncio.run(engine_status(method, path, body, headers))
+                assert got == want, (auth, method, path)
+                if path in ("/metrics", "/tokenize"):
+                    assert got == 200, (auth, path)
+
+
 # ---- what a client moving from vLLM (or vllm-router) relies on beyond the bodies -------------
 
 

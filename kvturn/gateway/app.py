@@ -1,6 +1,7 @@
 """The gateway's ASGI app: OpenAI-compatible endpoints in front of prefill and decode pools.
-:func:`create_app` puts together the routes (:mod:`.api`), the authentication middleware, the
-error handlers and the lifespan that starts and stops the :class:`~.instance.Gateway`."""
+:func:`create_app` puts together the routes (:mod:`.api`), the access log and authentication
+middleware, the error handlers and the lifespan that starts and stops the
+:class:`~.instance.Gateway`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.routing import Route
 
 from kvturn import control
 from kvturn.gateway.api import routes
+from kvturn.gateway.api.access_log import AccessLog
 from kvturn.gateway.api.authenticate import Authenticate
 from kvturn.gateway.api.error_responses import http_error, unexpected_error
 from kvturn.gateway.api.turn import TURN_PATHS, TurnEndpoint
@@ -58,7 +60,16 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route(conversations + "/{conversation_id}", routes.release, methods=["DELETE"]),
         ],
         lifespan=_lifespan,
-        middleware=[Middleware(Authenticate, keys=config.api_keys)],
+        middleware=[
+            # The access log outermost: a request refused for its key is logged too.
+            *([Middleware(AccessLog)] if config.access_log else []),
+            Middleware(
+                Authenticate,
+                keys=config.api_keys,
+                operator_keys=config.operator_keys,
+                guard_metrics=config.guard_metrics,
+            ),
+        ],
         exception_handlers={
             HTTPException: http_error,  # unknown route, wrong method
             Exception: unexpected_error,

@@ -8,13 +8,18 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvturn.gateway.auth import ApiKeys
+from kvturn.gateway.auth import ApiKeys, OperatorKeys
 from kvturn.wire import CONTROL_SECRET_ENV
 
 #: A file of API keys (``key tenant`` per line); ``KVTURN_API_KEYS`` holds more inline.
 API_KEYS_FILE_ENV = "KVTURN_API_KEYS_FILE"
 #: The engines' API key: vLLM's own variable, so ``kvturn up``'s engines and gateway share it.
 ENGINE_API_KEY_ENV = "VLLM_API_KEY"
+#: A file of operator keys (one a line); ``KVTURN_OPERATOR_KEYS`` holds more inline.
+OPERATOR_KEYS_FILE_ENV = "KVTURN_OPERATOR_KEYS_FILE"
+#: The gateway's log levels and formats (``--log-level``, ``--log-format``).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True)
@@ -111,8 +116,30 @@ class GatewayConfig:
     #: The engines' own API key (vLLM's ``--api-key``), sent on every engine request; from
     #: ``VLLM_API_KEY``, the variable the engines themselves read.
     engine_api_key: str | None = field(default=None, repr=False)
+    #: The keys of the operators' routes (``/kvturn/status``, and ``/metrics`` when guarded);
+    #: none: those routes take any caller's key.
+    operator_keys: OperatorKeys = field(default_factory=OperatorKeys, repr=False)
+    #: ``/metrics`` needs an operator's key; off, it is open, as vLLM's own is with
+    #: ``--api-key`` (a Prometheus scrape needs no key).
+    guard_metrics: bool = False
+    #: One line per request on the ``kvturn.access`` logger (at INFO).
+    access_log: bool = True
+    #: The gateway's log level (one of ``LOG_LEVELS``) and format (``text`` or ``json``: one
+    #: JSON object a line, the access log's fields as keys).
+    log_level: str = "info"
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
+        for endpoint in (*self.prefill, *self.decode):
+            for url in (endpoint.url, endpoint.control_url):
+                if url is not None:
+                    check_engine_url(url)
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}"
+            )
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
         if self.max_local_suffix_tokens < 0 or self.max_local_running < 0:
             raise ValueError("max_local_suffix_tokens and max_local_running must be >= 0")
         if not self.local_preference >= 0:
@@ -140,11 +167,14 @@ class GatewayConfig:
         cls,
         base: Mapping[str, object] | None = None,
         api_keys_file: str | None = None,
+        operator_keys_file: str | None = None,
         **overrides: object,
     ) -> GatewayConfig:
         """Defaults, then ``base`` (a deployment file's settings), then ``KVTURN_*``
         environment variables, then explicit ``overrides``. API keys come from the
-        ``KVTURN_API_KEYS_FILE`` file, else ``api_keys_file``, plus ``KVTURN_API_KEYS``."""
+        ``KVTURN_API_KEYS_FILE`` file, else ``api_keys_file``, plus ``KVTURN_API_KEYS``;
+        operator keys likewise (``KVTURN_OPERATOR_KEYS_FILE``, ``operator_keys_file``,
+        ``KVTURN_OPERATOR_KEYS``)."""
         env: dict[str, object] = dict(base or {})
         typed: dict[str, Callable[[str], object]] = {
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
@@ -158,6 +188,8 @@ class GatewayConfig:
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
             "implicit_conversations": parse_flag, "state": str, "state_timeout_s": float,
             "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,
+            "guard_metrics": parse_flag, "access_log": parse_flag, "log_level": str.lower,
+            "log_format": str.lower,
         }  # fmt: skip
         for name, kind in typed.items():
             value = os.environ.get(f"KVTURN_{name.upper()}")
@@ -177,6 +209,11 @@ class GatewayConfig:
         keys = ApiKeys.load(os.environ.get(API_KEYS_FILE_ENV) or api_keys_file, os.environ)
         if not keys.open:
             env["api_keys"] = keys
+        operators = OperatorKeys.load(
+            os.environ.get(OPERATOR_KEYS_FILE_ENV) or operator_keys_file, os.environ
+        )
+        if operators.configured:
+            env["operator_keys"] = operators
         env.update({k: v for k, v in overrides.items() if v is not None})
         port = int(env.get("decode_control_port") or 0)  # type: ignore[call-overload]
         if port:
@@ -193,6 +230,20 @@ def parse_flag(value: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {value!r}")
+
+
+def check_engine_url(url: str) -> None:
+    """Refuse, at start, an engine or control URL the gateway cannot reach: its engine client
+    speaks plain HTTP/1.1 only (:mod:`kvturn.gateway.http.client`)."""
+    if url.startswith("http://"):
+        return
+    if url.lower().startswith("https://"):
+        raise ValueError(
+            f"engine URL {url!r}: https:// is not supported; the gateway reaches engines and "
+            "their control servers over plain http:// only (keep them on a private network, "
+            "or terminate TLS in a sidecar next to the gateway and give its http:// URL)"
+        )
+    raise ValueError(f"engine URL {url!r} is not an http:// URL")
 
 
 def with_control_port(decodes: tuple[EngineEndpoint, ...], port: int) -> tuple[EngineEndpoint, ...]:

@@ -23,7 +23,7 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 import uvloop
 from starlette.applications import Starlette
@@ -56,18 +56,46 @@ def server_limits(config: GatewayConfig) -> ServerLimits:
     )
 
 
-def _configure_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str = "info", log_format: str = "text") -> None:
+    """The gateway's logs on stderr: kvturn's loggers (``kvturn.gateway``, the access log's
+    ``kvturn.access``) at ``level``, other libraries' at WARNING (or ``level``, if higher);
+    ``log_format`` ``text`` or ``json`` (one object a line, by python-json-logger: ``time``,
+    ``level``, ``logger``, ``message``, and the access log's fields). A process whose root
+    logger already has a handler (an embedding application) keeps it, and only the levels
+    are set."""
+    threshold: int = getattr(logging, level.upper())
+    logging.getLogger("kvturn").setLevel(threshold)
+    root = logging.getLogger()
+    root.setLevel(max(threshold, logging.WARNING))
+    if not root.handlers:
+        root.addHandler(log_handler(log_format))
+
+
+def log_handler(log_format: str, stream: IO[str] | None = None) -> logging.Handler:
+    """A handler writing to ``stream`` (stderr) in ``log_format``: ``text`` or ``json``."""
+    handler = logging.StreamHandler(stream)
+    if log_format == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            )
         )
+    else:
+        handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
+    return handler
 
 
 def serve(
     config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, workers: int = 1
 ) -> None:
     """Serve in the foreground until SIGINT/SIGTERM; in-flight requests get to finish."""
-    _configure_logging()
+    configure_logging(config.log_level, config.log_format)
     if workers > 1:
         pool = GatewayWorkers(config, host, port, workers)
         stop = threading.Event()
@@ -119,7 +147,7 @@ async def _serve_until_signalled(
 
 def _worker_main(config: GatewayConfig, host: str, port: int, ready: Any) -> None:
     """One worker process (started by :class:`GatewayWorkers`)."""
-    _configure_logging()
+    configure_logging(config.log_level, config.log_format)
     uvloop.run(_serve_until_signalled(config, host, port, reuse_port=True, ready=ready))
 
 

@@ -256,7 +256,10 @@ def test_a_deployment_file_describes_pools_addresses_auth_and_settings(
         ("[gateway]\nlease_s = 'soon'\n", "lease_s must be a float"),
         ("[gateway]\ndecode_local = 1\n", "decode_local must be a bool"),
         ("[gateway]\ncontrol_secret = 'x'\n", "unknown gateway setting(s) control_secret"),
-        ("[[decode]]\nurl = 'd:8000'\n", "is not an http(s) URL"),
+        ("[[decode]]\nurl = 'd:8000'\n", "is not an http:// URL"),
+        # The engine client speaks plain HTTP: refused at start, not at the first request.
+        ("[[decode]]\nurl = 'https://d:8000'\n", "https:// is not supported"),
+        ("[[decode]]\nurl = 'http://d'\ncontrol_url = 'https://d:8300'\n", "https://"),
         ("[[decode]]\nurl = 'http://d'\ncontroll_url = 'http://c'\n", "controll_url"),
         ("prt = 1\n", "prt"),
         ("host = \n", "not valid TOML"),
@@ -273,6 +276,29 @@ def test_deployment_file_mistakes_are_named(
     with pytest.raises(SystemExit) as caught:
         _serve_settings(["--config", str(path)])
     assert message in str(caught.value)
+
+
+def test_https_engine_urls_are_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine client speaks plain HTTP: an https:// engine or control URL, from flags or
+    variables, stops ``kvturn serve`` at start with the reason, not each request later."""
+    for name in ("KVTURN_PREFILL_URLS", "KVTURN_DECODE_URLS", "KVTURN_DECODE_CONTROL_URLS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match="https:// is not supported"):
+        _serve_settings(["--prefill", "https://p:8000", "--decode", "http://d:8000"])
+    with pytest.raises(SystemExit, match="https:// is not supported"):
+        _serve_settings(
+            ["--prefill", "http://p", "--decode", "http://d", "--decode-control", "https://c"]
+        )
+    monkeypatch.setenv("KVTURN_DECODE_URLS", "HTTPS://d:8000")
+    with pytest.raises(SystemExit, match="https:// is not supported"):
+        _serve_settings(["--prefill", "http://p"])
+    with pytest.raises(ValueError, match="https://"):
+        GatewayConfig(prefill=endpoints(["https://p"]))
+    # A keys file that cannot be read stops it too, naming the file.
+    monkeypatch.setenv("KVTURN_DECODE_URLS", "http://d:8000")
+    monkeypatch.setenv("KVTURN_OPERATOR_KEYS_FILE", "/nonexistent/operator-keys")
+    with pytest.raises(SystemExit, match="/nonexistent/operator-keys"):
+        _serve_settings(["--prefill", "http://p"])
 
 
 def test_decodes_listed_once_find_their_control_servers_by_port(

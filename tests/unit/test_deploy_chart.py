@@ -76,13 +76,16 @@ VARIANT: dict[str, Any] = {
             "decode_local": False,
             "state_timeout_s": 0.25,
             "max_conversations": 250000,
+            # /metrics takes an operator key (the ServiceMonitor's), as /kvturn/status does.
+            "guard_metrics": True,
         },
     },
     "auth": {
         "keys": [
             {"key": "sk-team-a-0123456789abcdef", "tenant": "team-a"},
             {"key": "sk-team-b-fedcba9876543210", "tenant": "team.b"},
-        ]
+        ],
+        "operatorKeySecret": {"name": "kvturn-operators", "key": "operator-keys"},
     },
     "controlSecret": {"existingSecret": "kvturn-control-shared"},
 }
@@ -297,6 +300,19 @@ def test_gateway_settings_state_and_keys_reach_kvturn_serve(
         secret = rendered.secret_value(secret_ref["name"], secret_ref["key"])
         assert len(secret) >= 32
 
+    # Operator keys: the Secret named, mounted where the file says.
+    operators = values["auth"]["operatorKeySecret"]
+    if operators:
+        operator_file = deployment.auth.operator_keys_file
+        assert operator_file is not None
+        mounted = mounts[os.path.dirname(operator_file)]["secret"]
+        assert mounted["secretName"] == operators["name"]
+        assert os.path.basename(operator_file) == operators["key"]
+        (tmp_path / "operator-keys").write_text("sk-operator-0123456789abcdef\n")
+        clean_env.setenv("KVTURN_OPERATOR_KEYS_FILE", str(tmp_path / "operator-keys"))
+    else:
+        assert deployment.auth.operator_keys_file is None
+
     # The same command, reading the same files from where this test wrote them.
     args.config = str(rendered.gateway_file(tmp_path))
     (tmp_path / "api-keys").write_text(keys_text)
@@ -305,6 +321,7 @@ def test_gateway_settings_state_and_keys_reach_kvturn_serve(
     config, host, port, allow_open = serve_settings(args)
     assert (host, port, allow_open) == ("0.0.0.0", _port(container, "http"), False)
     assert config.control_secret == secret
+    assert config.operator_keys.configured == bool(operators)
     assert len(config.prefill) == values["prefill"]["replicas"]
     assert len(config.decode) == values["decode"]["replicas"]
     assert all(e.control_url for e in config.decode)

@@ -32,6 +32,7 @@ DISTRIBUTION = {
     # The API (the gateway extra's); kvturn/gateway/tracing.py imports the SDK (the otel
     # extra's, same top-level package) only when asked to export, and says what to install.
     "opentelemetry": "opentelemetry-api",
+    "pythonjsonlogger": "python-json-logger",
     "safetensors": "safetensors",
     "tokenizers": "tokenizers",
     "transformers": "transformers",

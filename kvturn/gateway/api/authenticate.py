@@ -1,34 +1,57 @@
-"""The authentication middleware: the caller's API key, and the tenant it belongs to."""
+"""The authentication middleware: the caller's API key and the tenant it belongs to on the
+callers' routes (vLLM's ``--api-key`` scope), an operator's key on the operators' routes."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvturn.gateway.api.error_responses import error_response
-from kvturn.gateway.auth import ApiKeys
+from kvturn.gateway.auth import CALLER_PREFIXES, ApiKeys, OperatorKeys
 from kvturn.gateway.errors import GatewayError
 
 #: Where the authentication middleware leaves the caller's tenant in the ASGI scope.
 TENANT_SCOPE_KEY = "kvturn.tenant"
+#: The operators' routes (``/metrics`` joins them when the deployment guards it).
+OPERATOR_PATHS = frozenset({"/kvturn/status"})
+METRICS_PATH = "/metrics"
 
 
 class Authenticate:
-    """Every route but ``/health`` needs a valid API key (when the gateway has keys); the
-    caller's tenant goes into the scope for the routes."""
+    """As vLLM's ``--api-key`` does, a path that starts with one of :data:`CALLER_PREFIXES`
+    needs a caller's key (when the gateway has keys), whose tenant goes into the scope for the
+    routes; OPTIONS and every other path pass (``/health``, ``/metrics``, ``/tokenize``, …),
+    but for the operators' routes, which need an operator's key (or, with none set, a
+    caller's)."""
 
-    def __init__(self, app: Any, keys: ApiKeys):
+    def __init__(
+        self,
+        app: Any,
+        keys: ApiKeys,
+        operator_keys: OperatorKeys | None = None,
+        guard_metrics: bool = False,
+    ):
         self.app = app
         self.keys = keys
+        self.operator_keys = operator_keys or OperatorKeys()
+        self.operator_paths = OPERATOR_PATHS | ({METRICS_PATH} if guard_metrics else set())
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            authorization = None
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    authorization = value.decode("latin-1")
-            try:
-                scope[TENANT_SCOPE_KEY] = self.keys.tenant(authorization)
-            except GatewayError as error:
-                await error_response(error)(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path = scope["path"]
+            caller = path.startswith(CALLER_PREFIXES)
+            if caller or path in self.operator_paths:
+                authorization = None
+                for name, value in scope["headers"]:
+                    if name == b"authorization":
+                        authorization = value.decode("latin-1")
+                try:
+                    if caller:
+                        scope[TENANT_SCOPE_KEY] = self.keys.tenant(authorization)
+                    elif self.operator_keys.configured:
+                        self.operator_keys.check(authorization)
+                    else:
+                        self.keys.tenant(authorization)
+                except GatewayError as error:
+                    await error_response(error)(scope, receive, send)
+                    return
         await self.app(scope, receive, send)

@@ -13,6 +13,7 @@ gateway listens, its API keys and any gateway setting by the name ``kvturn serve
 
     [auth]
     api_keys_file = "/etc/kvturn/api-keys"   # `key tenant` per line
+    operator_keys_file = "/etc/kvturn/operator-keys"   # one key a line: /kvturn/status
 
     [[prefill]]
     url = "http://10.0.0.1:8000"
@@ -21,10 +22,12 @@ gateway listens, its API keys and any gateway setting by the name ``kvturn serve
     url = "http://10.0.0.2:8000"
     control_url = "http://10.0.0.2:8300"  # the connector's kvturn_control_port
 
-A prefill needs ``control_url`` only with ``[gateway] transfer = "push"``. A decode listed
-without ``control_url`` has none, unless ``[gateway] decode_control_port`` is
-set: then its control server is that port of the decode's own host (``kvturn engine``'s
-convention, default 8300), and each engine is listed once, by its URL alone.
+Engine and control URLs are ``http://`` (the gateway's engine client speaks plain HTTP; an
+``https://`` URL is refused here, at start). A prefill needs ``control_url`` only with
+``[gateway] transfer = "push"``. A decode listed without ``control_url`` has none, unless
+``[gateway] decode_control_port`` is set: then its control server is that port of the
+decode's own host (``kvturn engine``'s convention, default 8300), and each engine is listed
+once, by its URL alone.
 
 Precedence, lowest first: the defaults, the file, ``KVTURN_*`` variables, flags. Secrets
 (the control secret, the engines' API key) stay in the environment, never in the file. An
@@ -40,12 +43,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvturn.gateway.config import EngineEndpoint, GatewayConfig
+from kvturn.gateway.config import EngineEndpoint, GatewayConfig, check_engine_url
 
 #: Gateway settings the file may not carry (pools have their own tables; secrets and keys stay
 #: out of files anyone might commit).
 _NOT_IN_FILE = frozenset(
-    {"prefill", "decode", "control_secret", "api_keys", "engine_api_key", "tracer_provider"}
+    {
+        "prefill",
+        "decode",
+        "control_secret",
+        "api_keys",
+        "operator_keys",
+        "engine_api_key",
+        "tracer_provider",
+    }
 )
 SETTINGS = frozenset(f.name for f in fields(GatewayConfig)) - _NOT_IN_FILE
 #: Each setting's type, as its default has it (``state``'s default is None: a string).
@@ -64,14 +75,15 @@ class _Engine(BaseModel):
     @field_validator("url", "control_url")
     @classmethod
     def _http(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"{value!r} is not an http(s) URL")
+        if value is not None:
+            check_engine_url(value)
         return value.rstrip("/") if value else value
 
 
 class _Auth(BaseModel):
     model_config = ConfigDict(extra="forbid")
     api_keys_file: str | None = None
+    operator_keys_file: str | None = None
 
 
 class DeploymentFile(BaseModel):

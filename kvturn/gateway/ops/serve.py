@@ -7,7 +7,7 @@ import argparse
 import ipaddress
 from collections.abc import Callable
 
-from kvturn.gateway.config import GatewayConfig, endpoints, parse_flag
+from kvturn.gateway.config import LOG_FORMATS, LOG_LEVELS, GatewayConfig, endpoints, parse_flag
 
 #: Gateway settings that ``kvturn serve`` takes as flags (each also has a KVTURN_* variable).
 _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
@@ -44,7 +44,26 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     ),
     "transfer": (str, "pull (decode reads from prefill) or push (prefill writes to decode)"),
     "push_write_timeout_s": (float, "push: seconds decode may await pushed KV (then alone)"),
+    "guard_metrics": (parse_flag, "on/off: /metrics needs an operator key (default off, as vLLM)"),
 }
+#: Settings of the gateway's logs, flags of ``kvturn serve`` and ``kvturn up`` alike.
+LOG_SETTINGS = ("access_log", "log_level", "log_format")
+
+
+def add_log_flags(parser: argparse.ArgumentParser) -> None:
+    """``--log-level``, ``--log-format`` and ``--[no-]access-log``: the gateway's logs."""
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default=None,
+        help="the gateway's log level (default info; env KVTURN_LOG_LEVEL)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=None,
+        help="text, or json: one JSON object a line (env KVTURN_LOG_FORMAT)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=None,
+        help="one log line per request, at INFO (default on; env KVTURN_ACCESS_LOG)",
+    )  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -67,16 +86,22 @@ def serve_settings(args: argparse.Namespace) -> tuple[GatewayConfig, str, int, b
     from kvturn.gateway.ops.config_file import DeploymentFile, load_deployment
 
     deployment = load_deployment(args.config) if args.config else DeploymentFile()
-    flags: dict[str, object] = {name: getattr(args, name) for name in _GATEWAY_TUNABLES}
+    flags: dict[str, object] = {
+        name: getattr(args, name) for name in (*_GATEWAY_TUNABLES, *LOG_SETTINGS)
+    }
     if args.prefill:
         flags["prefill"] = endpoints(args.prefill, args.prefill_control)
     if args.decode:
         flags["decode"] = endpoints(args.decode, args.decode_control)
-    config = GatewayConfig.from_env(
-        base={**deployment.gateway, **deployment.endpoints()},
-        api_keys_file=deployment.auth.api_keys_file,
-        **flags,
-    )
+    try:
+        config = GatewayConfig.from_env(
+            base={**deployment.gateway, **deployment.endpoints()},
+            api_keys_file=deployment.auth.api_keys_file,
+            operator_keys_file=deployment.auth.operator_keys_file,
+            **flags,
+        )
+    except (ValueError, OSError) as error:  # a bad setting, a keys file it cannot read
+        raise SystemExit(f"kvturn serve: {error}") from None
     if not config.prefill or not config.decode:
         raise SystemExit(
             "kvturn serve: give at least one prefill and one decode engine (--prefill URL "
@@ -124,6 +149,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--allow-open", action="store_true",
         help="listen on a non-loopback address without API keys (anyone may call)",
     )  # fmt: skip
+    add_log_flags(srv)
     for name, (kind, text) in _GATEWAY_TUNABLES.items():
         flag = "--" + name.replace("_", "-")
         srv.add_argument(

@@ -436,6 +436,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     top.add_argument(
         "--api-key",
         default=os.environ.get("KVTURN_API_KEY"),
-        help="a key of the gateway's (default $KVTURN_API_KEY), if it has keys",
+        help="a key of the gateway's, for /kvturn/status: an operator key where it has them "
+        "(default $KVTURN_API_KEY)",
     )
     top.set_defaults(func=cmd_top)

@@ -27,6 +27,7 @@ from kvturn.gateway.ops.launch.engines import (
 )
 from kvturn.gateway.ops.launch.local_models import kvturn_home
 from kvturn.gateway.ops.models import resolve_model
+from kvturn.gateway.ops.serve import LOG_SETTINGS, add_log_flags
 from kvturn.wire import CONTROL_SECRET_ENV
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         deployment = start_engines(specs, log_dir, timeout_s=args.start_timeout, progress=True)
         if not args.no_gateway:
-            from kvturn.gateway.server import GatewayThread
+            from kvturn.gateway.server import GatewayThread, configure_logging
 
             config = GatewayConfig.from_env(
                 prefill=endpoints(
@@ -136,7 +137,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 reuse_threshold_tokens=args.recompute_threshold,
                 state=args.state,
                 transfer=args.transfer,
+                **{name: getattr(args, name, None) for name in LOG_SETTINGS},
             )
+            configure_logging(config.log_level, config.log_format)
             if args.gateway_workers > 1:
                 from kvturn.gateway.server import GatewayWorkers
 
@@ -249,6 +252,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--push-registration-timeout", type=int, default=60,
         help="push: seconds a decode keeps blocks registered for a push that never came",
     )  # fmt: skip
+    add_log_flags(up)
     up.add_argument(
         "--state", default=None,
         help="gateway state: memory (default) or redis://host:port/db (env KVTURN_STATE)",

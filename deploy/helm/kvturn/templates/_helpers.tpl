@@ -107,6 +107,9 @@ what to change. Included once, by the gateway's Deployment.
 {{- if .Values.redis.urlSecret }}
 {{- $_ := required "kvturn: redis.urlSecret needs name and key" (and .Values.redis.urlSecret.name .Values.redis.urlSecret.key) }}
 {{- end }}
+{{- if .Values.auth.operatorKeySecret }}
+{{- $_ := required "kvturn: auth.operatorKeySecret needs name and key" (and .Values.auth.operatorKeySecret.name .Values.auth.operatorKeySecret.key) }}
+{{- end }}
 {{- if .Values.engine.apiKeySecret }}
 {{- $_ := required "kvturn: engine.apiKeySecret needs name and key" (and .Values.engine.apiKeySecret.name .Values.engine.apiKeySecret.key) }}
 {{- end }}
