@@ -103,7 +103,10 @@ class Decoder:
             h.REUSED_TOKENS: str(prefilled.reused_tokens),
         }
         if conversation is not None:
-            response_headers[h.CONVERSATION_ID] = conversation.conversation_id
+            # The id itself, or percent-encoded where it cannot travel as itself.
+            response_headers[h.CONVERSATION_ID] = h.conversation_id_header(
+                conversation.conversation_id
+            )
             response_headers[h.LEASE_SECONDS] = f"{lease_s:g}"
         url = instance.url + turn.path
         upstream_headers = {"X-Request-Id": request_id}
