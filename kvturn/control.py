@@ -9,6 +9,10 @@ URL an OpenAI client uses, so ``/v1`` included).
 ``DELETE {base}/kvturn/conversations/{conversation_id}``
     Answer :class:`ReleaseResponse`. The conversation is over: forget it and free its KV.
 
+The id in a path is one segment, percent-encoded (RFC 3986, UTF-8: ``/``, ``?``, ``#``, ``%``,
+spaces and non-ASCII included; :func:`path_segment`), so any conversation id
+(:func:`kvturn.headers.conversation_id_problem`) has its own path; the gateway decodes it.
+
 Unknown conversations are not errors: a heartbeat answers ``known: false`` (the client may stop
 beating) and a release answers ``released: false``.
 """
@@ -16,6 +20,7 @@ beating) and a release answers ``released: false``.
 from __future__ import annotations
 
 from typing import Final
+from urllib.parse import quote
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -24,14 +29,22 @@ from kvturn.headers import MAX_PAUSE_MS, PauseKind
 CONVERSATIONS_PATH: Final = "/kvturn/conversations"
 
 
+def path_segment(conversation_id: str) -> str:
+    """``conversation_id`` as one path segment: UTF-8, percent-encoded but for RFC 3986's
+    unreserved characters, ``:`` and ``@`` (``a:b`` stays ``a:b``; ``a/b`` is ``a%2Fb``). An id
+    of dots alone has them encoded too: HTTP clients remove ``.`` and ``..`` segments."""
+    segment = quote(conversation_id, safe=":@")
+    return segment.replace(".", "%2E") if segment in (".", "..") else segment
+
+
 def heartbeat_path(conversation_id: str) -> str:
     """Path (relative to the base URL) of a conversation's heartbeat endpoint."""
-    return f"{CONVERSATIONS_PATH}/{conversation_id}/heartbeat"
+    return f"{CONVERSATIONS_PATH}/{path_segment(conversation_id)}/heartbeat"
 
 
 def release_path(conversation_id: str) -> str:
     """Path (relative to the base URL) that releases a conversation."""
-    return f"{CONVERSATIONS_PATH}/{conversation_id}"
+    return f"{CONVERSATIONS_PATH}/{path_segment(conversation_id)}"
 
 
 class HeartbeatRequest(BaseModel):

@@ -212,10 +212,12 @@ def wait_recorded(gateway: GatewayThread, conversation_id: str) -> Any:
     reply: the gateway learns it from decode in the background)."""
     import time
 
+    from kvturn.gateway.auth import scoped_key
+
     store = gateway.app.state.gateway.store
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        conversation = store.peek(conversation_id)
+        conversation = store.peek(scoped_key("", conversation_id))
         if conversation is not None and conversation.holder_request_id is not None:
             return conversation
         time.sleep(0.05)

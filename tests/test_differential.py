@@ -30,7 +30,9 @@ import httpx
 import orjson
 import pytest
 
+from kvturn.headers import conversation_id_from_header
 from tests.conftest import LocalPair
+from tests.conversation_ids import ID_FORMS, WAYS, named
 from tests.engine_requests import long_prompt
 
 pytestmark = pytest.mark.engines
@@ -278,6 +280,32 @@ def test_gateway_answers_as_one_engine_alone(local_pair: LocalPair, case: Case) 
         _assert_same(orjson.loads(via_gateway.content), orjson.loads(alone.content), "$")
     else:
         assert via_gateway.content == alone.content
+
+
+def test_any_conversation_id_is_served_with_reuse(local_pair: LocalPair) -> None:
+    """Issue 40: every form of id (``tests/conversation_ids.py``: spaces, ``/?#%``, non-ASCII,
+    over 128 characters, 1,024 bytes of UTF-8, …), named by ``prompt_cache_key``,
+    ``X-Session-ID`` or ``X-Conversation-Id``, is answered 200 through the gateway, echoed,
+    and its second turn reuses the first's KV."""
+    url = local_pair.gateway_url + "/chat/completions"
+    for way in WAYS:
+        for name, conversation_id in ID_FORMS.items():
+            headers, extra = named(way, conversation_id)
+            topic = f"{way} {name} {uuid.uuid4().hex}"
+            messages = _user(long_prompt(400, topic))
+            body = {"model": local_pair.model, "max_tokens": 4, "temperature": 0, **extra}
+            first = httpx.post(url, json={**body, "messages": messages}, headers=headers,
+                               timeout=300)  # fmt: skip
+            assert first.status_code == 200, (way, name, first.text)
+            echoed = first.headers["x-conversation-id"]
+            assert conversation_id_from_header(echoed) == conversation_id, (way, name)
+            reply = first.json()["choices"][0]["message"]["content"] or ""
+            messages += [{"role": "assistant", "content": reply}, *_user("And then?")]
+            second = httpx.post(url, json={**body, "messages": messages}, headers=headers,
+                                timeout=300)  # fmt: skip
+            assert second.status_code == 200, (way, name, second.text)
+            plan = (second.headers["x-kvturn-plan"], second.headers["x-kvturn-plan-reason"])
+            assert plan[0] != "recompute", (way, name, plan)
 
 
 def test_differential_suite_covers_enough_shapes() -> None:

@@ -28,7 +28,14 @@ import openai
 from pydantic import ValidationError
 
 from kvturn.control import HeartbeatRequest, HeartbeatResponse
-from kvturn.headers import CONVERSATION_ID, PAUSE_KIND, PAUSE_MS, TURN_ID, is_valid_conversation_id
+from kvturn.headers import (
+    CONVERSATION_ID,
+    PAUSE_KIND,
+    PAUSE_MS,
+    TURN_ID,
+    conversation_id_from_header,
+    conversation_id_problem,
+)
 
 from ._bodies import AsyncWatchedStream, WatchedStream, body_read
 from ._clock import Clock, monotonic_clock
@@ -92,10 +99,10 @@ class KvturnCore:
         """Open (or re-open) a conversation scope."""
         if conversation_id is None:
             conversation_id = new_conversation_id()
-        elif not is_valid_conversation_id(conversation_id):
+        elif (problem := conversation_id_problem(conversation_id)) is not None:
             raise ValueError(
-                f"invalid conversation id {conversation_id!r}: use 1-128 characters of "
-                "A-Z a-z 0-9 . _ : - (kvturn.client.conversation_id_from() maps any string)"
+                f"invalid conversation id {conversation_id!r}: {problem} "
+                "(kvturn.client.conversation_id_from() maps any string)"
             )
         with self._lock:
             conversation = self.conversations.get(conversation_id)
@@ -240,7 +247,11 @@ def _conversation_of(request: Any) -> Conversation | None:
     # Code that cannot carry a context (a thread pool without copy_context) can still name an
     # open conversation with the header itself.
     named = request.headers.get(CONVERSATION_ID)
-    if named is None:
+    if not named:
+        return None
+    try:
+        named = conversation_id_from_header(named)
+    except ValueError:
         return None
     for core in list(_cores):
         found = core.conversations.get(named)

@@ -17,6 +17,7 @@ from kvturn.headers import (
     PLAN,
     REUSED_TOKENS,
     TURN_ID,
+    conversation_id_header,
 )
 
 from ._clock import Clock
@@ -116,6 +117,9 @@ class Conversation:
         self, conversation_id: str, *, core: Core, clock: Clock, lease_seconds: float
     ) -> None:
         self.id = conversation_id
+        #: The id as its requests' ``X-Conversation-Id`` carries it (percent-encoded where it
+        #: cannot travel as itself: :func:`kvturn.headers.conversation_id_header`).
+        self.header_id = conversation_id_header(conversation_id)
         self._core = core
         self.lease_seconds = lease_seconds
         # The lease header's last raw value: the gateway answers alike each time.
@@ -251,7 +255,7 @@ def begin_turn(conversation: Conversation) -> Turn:
         conversation._in_flight += 1
         conversation._turns_begun += 1
     # turn_headers(), made directly: this runs on every request.
-    headers = {CONVERSATION_ID: conversation.id, TURN_ID: new_turn_id()}
+    headers = {CONVERSATION_ID: conversation.header_id, TURN_ID: new_turn_id()}
     if ended_at is not None:
         headers[PAUSE_MS] = str(_pause_ms(now, ended_at))
         headers[PAUSE_KIND] = "tool" if tool else "user"

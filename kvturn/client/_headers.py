@@ -12,6 +12,7 @@ from kvturn.headers import (
     PAUSE_KIND,
     PAUSE_MS,
     TURN_ID,
+    conversation_id_header,
     is_valid_conversation_id,
 )
 
@@ -44,19 +45,17 @@ def new_turn_id() -> str:
 
 
 def conversation_id_from(value: str) -> str:
-    """``value`` if it is a valid conversation id, else a stable digest of it.
-
-    Framework ids (session ids, thread ids) can hold characters a header or metrics label must
-    not; the digest keeps the same framework id mapping to the same conversation.
-    """
+    """``value`` if it is a valid conversation id (any string of 1 to 1,024 bytes of UTF-8
+    without control characters: :func:`kvturn.headers.conversation_id_problem`), else a stable
+    digest of it: an empty, longer or control-character id still maps to one conversation."""
     if is_valid_conversation_id(value):
         return value
-    return "h-" + hashlib.sha256(value.encode()).hexdigest()[:40]
+    return "h-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def turn_headers(conversation_id: str, turn_id: str, pause: Pause | None) -> dict[str, str]:
     """Headers of one turn; the pause ones only when a pause preceded it."""
-    headers = {CONVERSATION_ID: conversation_id, TURN_ID: turn_id}
+    headers = {CONVERSATION_ID: conversation_id_header(conversation_id), TURN_ID: turn_id}
     if pause is not None:
         headers[PAUSE_MS] = str(pause.ms)
         headers[PAUSE_KIND] = pause.kind

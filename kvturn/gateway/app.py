@@ -54,10 +54,14 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/detokenize", routes.engine_route, methods=["POST"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/kvturn/status", routes.status, methods=["GET"]),
+            # ``:path``: an id holds any character, ``/`` too (sent as %2F, which the server
+            # decodes before routing: kvturn.control.path_segment).
             Route(
-                conversations + "/{conversation_id}/heartbeat", routes.heartbeat, methods=["POST"]
+                conversations + "/{conversation_id:path}/heartbeat",
+                routes.heartbeat,
+                methods=["POST"],
             ),
-            Route(conversations + "/{conversation_id}", routes.release, methods=["DELETE"]),
+            Route(conversations + "/{conversation_id:path}", routes.release, methods=["DELETE"]),
         ],
         lifespan=_lifespan,
         middleware=[

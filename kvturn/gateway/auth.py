@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from kvturn.gateway.errors import GatewayError
+from kvturn.gateway.state.keys import tenant_digest
 
 #: The environment variable with inline keys (``key=tenant,key=tenant``).
 API_KEYS_ENV = "KVTURN_API_KEYS"
@@ -157,9 +158,11 @@ class OperatorKeys:
 
 
 def scoped_key(tenant: str, conversation_id: str) -> str:
-    """A conversation's key in the table and on decode: one tenant's ``chat-1`` is never
-    another's (conversation ids hold no ``/``)."""
-    return f"{tenant}/{conversation_id}" if tenant else conversation_id
+    """A conversation's key in the table and on decode (``kvturn_conversation``): a digest of
+    the tenant and the id, so one tenant's ``chat-1`` is never another's, and the client's id,
+    which may hold any character (:func:`kvturn.headers.conversation_id_problem`), reaches no
+    state key, decode, log line or metric label; only the gateway's echo carries it back."""
+    return "c-" + tenant_digest("conversation", tenant, conversation_id)
 
 
 def tenant_salt(tenant: str, client_salt: object) -> str | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvturn.client import AsyncOpenAI, OpenAI
+from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.server import GatewayThread
 from tests.gateway_fixtures import metric, running_fake_engine, running_gateway
@@ -46,7 +47,7 @@ def test_sync_conversation_is_seen_by_the_gateway(gateway: GatewayThread) -> Non
     pauses = _metrics(gateway, 'kvturn_client_pause_seconds_count{kind="user"}')
     with client.conversation("sync-conv") as conversation:
         client.chat.completions.create(model="fake", messages=MESSAGES)
-        assert store.get("sync-conv") is not None
+        assert store.get(scoped_key("", "sync-conv")) is not None
         assert conversation.lease_seconds == LEASE_S  # learned from the gateway's header
         time.sleep(1.0)  # a long pause: heartbeats renew the lease through the gateway
         assert _metrics(gateway, "kvturn_heartbeats_total") - beats >= 1
@@ -54,7 +55,7 @@ def test_sync_conversation_is_seen_by_the_gateway(gateway: GatewayThread) -> Non
         assert second.headers["x-kvturn-plan"] == "pull-reuse"
     assert _metrics(gateway, 'kvturn_client_pause_seconds_count{kind="user"}') - pauses == 1
     assert _metrics(gateway, "kvturn_releases_total") - releases == 1
-    assert store.get("sync-conv") is None
+    assert store.get(scoped_key("", "sync-conv")) is None
     client.close()
 
 
@@ -81,11 +82,11 @@ def test_async_conversation_is_seen_by_the_gateway(gateway: GatewayThread) -> No
             )
             async for _ in stream:
                 pass
-            assert store.get("async-conv") is not None
+            assert store.get(scoped_key("", "async-conv")) is not None
             await asyncio.sleep(1.0)
             assert _metrics(gateway, "kvturn_heartbeats_total") - beats >= 1
         assert _metrics(gateway, "kvturn_releases_total") - releases == 1
-        assert store.get("async-conv") is None
+        assert store.get(scoped_key("", "async-conv")) is None
         await client.close()
 
     asyncio.run(run())
@@ -103,10 +104,10 @@ def test_turn_id_survives_the_sdk_retry(gateway: GatewayThread) -> None:
         )
         turn = conversation.last_turn
         assert turn is not None
-        assert store.get("retry-conv").last_turn_id == turn.turn_id
-        assert store.get("retry-conv").retries == 1
+        assert store.get(scoped_key("", "retry-conv")).last_turn_id == turn.turn_id
+        assert store.get(scoped_key("", "retry-conv")).retries == 1
         client.chat.completions.create(model="fake", messages=MESSAGES)
-        assert store.get("retry-conv").retries == 1  # a new turn is not a retry
+        assert store.get(scoped_key("", "retry-conv")).retries == 1  # a new turn is not a retry
     assert _metrics(gateway, "kvturn_turn_retries_total") - retries == 1
     client.close()
 
@@ -128,7 +129,7 @@ def test_responses_api_inside_a_conversation(gateway: GatewayThread) -> None:
             tool_choice={"type": "function", "name": "lookup"},
         )
         assert asked.output[0].type == "function_call"
-        assert store.get("responses-conv") is not None
+        assert store.get(scoped_key("", "responses-conv")) is not None
         assert conversation.lease_seconds == LEASE_S
         time.sleep(1.0)  # the tool "runs": heartbeats keep the lease
         assert _metrics(gateway, "kvturn_heartbeats_total") - beats >= 1
@@ -142,5 +143,5 @@ def test_responses_api_inside_a_conversation(gateway: GatewayThread) -> None:
             assert events.get_final_response().output_text == "ok"
         assert [turn.plan for turn in conversation.turns] == ["recompute", "pull-reuse"]
     assert _metrics(gateway, 'kvturn_client_pause_seconds_count{kind="tool"}') - tool_pauses == 1
-    assert store.get("responses-conv") is None
+    assert store.get(scoped_key("", "responses-conv")) is None
     client.close()

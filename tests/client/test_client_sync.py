@@ -80,8 +80,9 @@ def test_requests_outside_a_conversation_carry_nothing(stub: StubGateway) -> Non
 
 
 def test_invalid_ids_are_refused(stub: StubGateway) -> None:
-    with pytest.raises(ValueError):
-        make_client(stub).conversation("has space").__enter__()
+    for bad in ("", "has\nnewline", "x" * 1025):
+        with pytest.raises(ValueError):
+            make_client(stub).conversation(bad).__enter__()
 
 
 @pytest.mark.parametrize("status", ["500", "429"])

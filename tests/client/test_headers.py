@@ -44,11 +44,14 @@ def test_turn_ids_are_unique_hex() -> None:
 
 
 def test_conversation_ids_from_framework_ids() -> None:
-    assert conversation_id_from("thread-7") == "thread-7"
-    digest = conversation_id_from("user 42/session")
-    assert digest.startswith("h-") and h.is_valid_conversation_id(digest)
-    assert conversation_id_from("user 42/session") == digest
-    assert conversation_id_from("x" * 200) != conversation_id_from("x" * 201)
+    # Any id a conversation may have is taken as it is (issue 40); the rest is digested.
+    for given in ("thread-7", "user 42/session", "ü" * 512, "x" * 1024):
+        assert conversation_id_from(given) == given
+    for refused in ("", "line\nbreak", "x" * 1025, "ü" * 513, "\ud800"):
+        digest = conversation_id_from(refused)
+        assert digest.startswith("h-") and h.is_valid_conversation_id(digest)
+        assert conversation_id_from(refused) == digest
+    assert conversation_id_from("x" * 1025) != conversation_id_from("x" * 1026)
 
 
 def test_the_request_hook_replaces_same_named_headers_in_any_case() -> None:

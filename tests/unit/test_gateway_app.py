@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from kvturn import control
+from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.config import GatewayConfig, endpoints
 from tests.gateway_fixtures import free_port, running_fake_engine, running_gateway
 
@@ -124,10 +125,12 @@ def test_errors_are_openai_shaped(
 
 
 def test_invalid_conversation_ids_are_rejected(gateway: str) -> None:
-    for bad in ("", "x" * 129, "a b", "ü"):
+    # Any string is an id but one with control characters or over 1,024 bytes (the rule and
+    # every form: test_conversation_ids.py).
+    for bad in ("x" * 1025, "UTF-8''%FF", "a\nb", "é" * 513):
         response = (
             _chat(gateway, **{"X-Conversation-Id": bad})
-            if bad.isascii()
+            if bad.isascii() and bad.isprintable()
             else httpx.post(
                 gateway + "/v1/chat/completions",
                 json={
@@ -399,7 +402,7 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
         _until(lambda: len(calls) == (2 if stream else 1), f"recorded: {calls}")
         assert calls == (["mark made indexed", "record"] if stream else ["record made indexed"])
         conversation = first.headers["x-conversation-id"]
-        entry = runner.context.store.peek(conversation)
+        entry = runner.context.store.peek(scoped_key("", conversation))
         assert entry is not None and entry.turns == 1 and entry.holder_url == fake_url
         if stream:
             reply = {"role": "assistant", "content": _streamed_text(first.text)}
@@ -423,7 +426,7 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
         assert calls == (
             ["take", "mark", "record indexed"] if stream else ["take", "record indexed"]
         )
-        assert runner.context.store.peek(conversation).turns == 3
+        assert runner.context.store.peek(scoped_key("", conversation)).turns == 3
 
 
 def _streamed_text(sse: str) -> str:
@@ -465,7 +468,8 @@ def _counted(name: str, before: int, failure: str) -> None:
 def _recorded(gateway: Any, conversation: str) -> None:
     deadline = time.monotonic() + 5
     store = gateway.app.state.gateway.store
-    while store.peek(conversation) is None or store.peek(conversation).holder_url is None:
+    key = scoped_key("", conversation)
+    while store.peek(key) is None or store.peek(key).holder_url is None:
         assert time.monotonic() < deadline, "the turn's KV location was never recorded"
         time.sleep(0.02)
 
@@ -622,7 +626,7 @@ def test_where_a_turn_left_its_kv_is_asked_only_of_a_streamed_reply(
         messages = [{"role": "user", "content": "where is it kept?"}]
         _turn_with(gateway.url, conversation, messages, stream)
         _recorded(gateway, conversation)
-        held = gateway.app.state.gateway.store.peek(conversation)
+        held = gateway.app.state.gateway.store.peek(scoped_key("", conversation))
         assert held.held_tokens == 1001 and held.held_digest is not None
         assert fake_engine.COUNTS.get("retained_asked", 0) == asked + (1 if stream else 0)
 
@@ -705,7 +709,7 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                 _turn(gateway.url, "failing-holder")
                 _recorded(gateway, "failing-holder")
                 store = gateway.app.state.gateway.store
-                assert store.peek("failing-holder").holder_url == holder
+                assert store.peek(scoped_key("", "failing-holder")).holder_url == holder
                 releases = fake_engine.COUNTS.get("releases", 0)
                 fake_engine.FAIL_DECODE_PORTS.add(int(holder.rsplit(":", 1)[1]))
                 try:
@@ -716,7 +720,7 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                     assert second.headers["x-kvturn-plan-reason"] == "decode-failed"
                     _counted("releases", releases, "the old lease was not released")
                     _recorded(gateway, "failing-holder")
-                    assert store.peek("failing-holder").holder_url == other
+                    assert store.peek(scoped_key("", "failing-holder")).holder_url == other
                     # Every decode failing: the prefill engine serves the turn alone.
                     fake_engine.FAIL_DECODE_PORTS.add(int(other.rsplit(":", 1)[1]))
                     body = {"model": "fake", "messages": [{"role": "user", "content": "x"}]}
@@ -762,7 +766,9 @@ def test_a_turn_is_answered_while_either_side_has_an_engine(dead: str, stream: b
                     assert answer.json()["choices"][0]["message"]["content"] == "ok"
             if dead == "prefill":  # the decode holds the conversation's KV
                 _recorded(gateway, name)
-                assert gateway.app.state.gateway.store.peek(name).holder_url == decode
+                assert (
+                    gateway.app.state.gateway.store.peek(scoped_key("", name)).holder_url == decode
+                )
             metrics = httpx.get(gateway.url + "/metrics").text
             assert f'kvturn_reuse_fallbacks_total{{reason="{expected}"}} 2.0' in metrics
             # Ready all the same (a load balancer keeps sending turns), though not all well.

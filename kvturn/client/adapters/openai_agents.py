@@ -105,8 +105,9 @@ def conversation_id_for_run(
     session: Session | None = None,
     run_config: RunConfig | None = None,
 ) -> str | None:
-    """The kvturn conversation id of a run: its conversation, session or group id (mapped to
-    a header-safe id), or ``None`` when the run has none of them."""
+    """The kvturn conversation id of a run: its conversation, session or group id (as it is,
+    or a digest of one no conversation id can be: :func:`~kvturn.client.conversation_id_from`),
+    or ``None`` when the run has none of them."""
     for candidate in (
         conversation_id,
         getattr(session, "session_id", None),

@@ -39,6 +39,8 @@ _TURN_HEADERS = {
         *(h.REQUEST_ID, h.TRACEPARENT, h.TRACESTATE),
     )
 }
+#: The headers that name a conversation.
+_ID_HEADERS = frozenset({h.CONVERSATION_ID, h.SESSION_ID})
 
 #: The W3C trace context headers carried from the caller to the engines.
 _TRACE_HEADERS = (h.TRACEPARENT, h.TRACESTATE)
@@ -86,22 +88,22 @@ async def serve_turn(
     for name, value in raw_headers:
         wanted = _TURN_HEADERS.get(name)
         if wanted is not None:
-            headers[wanted] = value.decode("latin-1")
+            headers[wanted] = (
+                _header_text(value) if wanted in _ID_HEADERS else value.decode("latin-1")
+            )
     try:
         # The fields the gateway reads are checked here; everything else about the request is
         # the engine's to judge: prefill refuses a bad request before any work, with vLLM's
         # own error, which the client gets unchanged.
         body = _parse_body(raw_body)
-        given = headers.get(h.CONVERSATION_ID)
-        if given is None:
-            given = headers.get(h.SESSION_ID)
+        given = _header_id(headers)
         responses: Translated | None = None
         if path == RESPONSES_PATH:
             # Served as the chat turn it amounts to, and answered the Responses way.
             responses = await translate(body, gateway.responses, tenant)
             path, body = CHAT_PATH, responses.chat
             if given is None:
-                given = responses.conversation_id
+                given = responses.conversation_id or None
         check_request(path, body)
         conversation_id = _conversation_id(given, body)
         turn_id = headers.get(h.TURN_ID)
@@ -155,17 +157,37 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _conversation_id(header: str | None, body: dict[str, Any]) -> str | None:
-    """From the header (``X-Conversation-Id``, else vllm-router's ``X-Session-ID``), else a
-    ``conversation_id`` body field, else OpenAI's ``prompt_cache_key``."""
-    value: Any = header
+def _header_text(value: bytes) -> str:
+    """A conversation header's value: UTF-8 as some clients send it raw (curl does), else
+    latin-1 as HTTP reads any other octet."""
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
+def _header_id(headers: dict[str, str]) -> str | None:
+    """The id a header names (``X-Conversation-Id``, else vllm-router's ``X-Session-ID``),
+    percent-decoded when it came encoded (:func:`kvturn.headers.conversation_id_from_header`);
+    an empty header is no header."""
+    value = headers.get(h.CONVERSATION_ID) or headers.get(h.SESSION_ID)
+    if not value:
+        return None
+    try:
+        return h.conversation_id_from_header(value)
+    except ValueError as error:
+        raise InvalidRequest(f"invalid conversation id: {error}", param="conversation_id") from None
+
+
+def _conversation_id(given: str | None, body: dict[str, Any]) -> str | None:
+    """The id a header gave (``given``), else a ``conversation_id`` body field, else OpenAI's
+    ``prompt_cache_key``; an empty one is none (the body's ``conversation_id`` is the
+    gateway's alone: never sent on)."""
+    named = body.pop("conversation_id", None)
+    value: Any = given
     if value is None:
-        value = body.pop("conversation_id", None)
-        if value is None:
-            value = body.get("prompt_cache_key")
-    else:
-        body.pop("conversation_id", None)
-    if value is None:
+        value = named if named is not None and named != "" else body.get("prompt_cache_key")
+    if value is None or value == "":
         return None
     if not isinstance(value, str):
         raise InvalidRequest("conversation id must be a string", param="conversation_id")
@@ -174,13 +196,12 @@ def _conversation_id(header: str | None, body: dict[str, Any]) -> str | None:
 
 
 def check_conversation_id(value: str) -> None:
-    """Refuse (400) a conversation id the gateway does not take."""
-    if not h.is_valid_conversation_id(value):
-        raise InvalidRequest(
-            f"invalid conversation id: 1-{h.CONVERSATION_ID_MAX_LEN} characters of "
-            "letters, digits, '.', '_', ':' or '-'",
-            param="conversation_id",
-        )
+    """Refuse (400) a conversation id the gateway does not take (any string of 1 to
+    :data:`~kvturn.headers.CONVERSATION_ID_MAX_BYTES` bytes without control characters:
+    :func:`kvturn.headers.conversation_id_problem`)."""
+    problem = h.conversation_id_problem(value)
+    if problem is not None:
+        raise InvalidRequest(f"invalid conversation id: {problem}", param="conversation_id")
 
 
 def _record_pause(metrics: GatewayMetrics, headers: dict[str, str]) -> tuple[str, float] | None:

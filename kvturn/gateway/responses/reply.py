@@ -21,7 +21,8 @@ async def answer_as_response(
 ) -> Reply:
     """A chat turn's reply, answered the Responses way; stored in ``store`` (when asked) once
     complete, with the conversation it belonged to, for a turn chained to it."""
-    conversation_id = reply.headers.get(h.CONVERSATION_ID)
+    echoed = reply.headers.get(h.CONVERSATION_ID)
+    conversation_id = None if echoed is None else h.conversation_id_from_header(echoed)
 
     async def done(response: dict[str, Any]) -> None:
         reply_message = assistant_message(response["output"])

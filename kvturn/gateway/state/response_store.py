@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import orjson
 
 from kvturn.gateway.errors import StateUnavailable
+from kvturn.gateway.state.keys import tenant_digest
 from kvturn.gateway.state.redis_client import RedisState
 
 logger = logging.getLogger("kvturn.gateway.state")
@@ -129,8 +130,10 @@ class RedisResponseStore:
         self.on_error = redis.on_error
 
     def _key(self, kind: str, tenant: str, name: str) -> str:
-        # The tenant is hex-encoded: no tenant name can reach into another's keys.
-        return f"{self.prefix}{kind}:{tenant.encode().hex()}:{name}"
+        # A digest of the tenant and the client's name (a response id, a conversation id: any
+        # characters), under a namespace of the store's own: no tenant or name reaches into
+        # another's keys, nor into the conversation table's (``{prefix}conv:…``).
+        return f"{self.prefix}responses:{kind}:{tenant_digest('responses-' + kind, tenant, name)}"
 
     async def _get(self, op: str, key: str) -> Any:
         try:

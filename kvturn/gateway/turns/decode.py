@@ -107,7 +107,10 @@ class Decoder:
             h.REQUEST_ID: request_id,
         }
         if conversation is not None:
-            response_headers[h.CONVERSATION_ID] = conversation.conversation_id
+            # The id itself, or percent-encoded where it cannot travel as itself.
+            response_headers[h.CONVERSATION_ID] = h.conversation_id_header(
+                conversation.conversation_id
+            )
             response_headers[h.LEASE_SECONDS] = f"{lease_s:g}"
         # Traced (when on) from the request to the end of its reply; the engine's own spans
         # join the trace through its traceparent.
