@@ -17,8 +17,8 @@ import pytest
 
 from kvturn import control
 from kvturn.gateway.api import access_log
-from kvturn.gateway.api.access_log import ACCESS_LOGGER, conversation_digest
-from kvturn.gateway.auth import ApiKeys
+from kvturn.gateway.api.access_log import ACCESS_LOGGER, _path, conversation_digest
+from kvturn.gateway.auth import ApiKeys, scoped_key
 from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.ops.cli import build_parser
 from kvturn.gateway.server import GatewayThread, log_handler
@@ -231,3 +231,16 @@ def test_log_flags_and_variables_reach_the_config(monkeypatch: pytest.MonkeyPatc
     assert (up.access_log, up.log_level, up.log_format) == (False, "warning", None)
     with pytest.raises(ValueError, match="log_level"):
         GatewayConfig(log_level="verbose")
+
+
+def test_a_conversation_is_one_digest_in_its_turns_and_its_heartbeats() -> None:
+    # An id that travels encoded (in a header, in a path) is digested as the id it is.
+    odd = "team a / chat 7"
+    assert conversation_digest("alpha", odd) == scoped_key("alpha", odd)[2:14]
+    scope = {
+        "path": "/v1/kvturn/conversations/team a / chat 7/heartbeat",
+        "raw_path": b"/v1/kvturn/conversations/team%20a%20%2F%20chat%207/heartbeat",
+    }
+    path, digest = _path(scope, "alpha")
+    assert digest == conversation_digest("alpha", odd)
+    assert path == f"/v1/kvturn/conversations/{digest}/heartbeat"

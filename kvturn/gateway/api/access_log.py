@@ -16,14 +16,15 @@ plan=pull-reuse plan_reason=cheaper reused_tokens=992 ttft_ms=41.2``; with the J
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from typing import Any
+from urllib.parse import unquote
 
 from kvturn import control
 from kvturn import headers as h
 from kvturn.gateway.api.authenticate import TENANT_SCOPE_KEY
+from kvturn.gateway.auth import scoped_key
 
 #: The access log's logger.
 ACCESS_LOGGER = logging.getLogger("kvturn.access")
@@ -42,9 +43,10 @@ _CONVERSATIONS = "/v1" + control.CONVERSATIONS_PATH + "/"
 
 
 def conversation_digest(tenant: str, conversation_id: str) -> str:
-    """What the access log says for a conversation: 12 hex digits of its key's SHA-256 (a
-    tenant's ``chat-1`` is never another's), the same from every gateway process."""
-    return hashlib.sha256(f"{tenant}\0{conversation_id}".encode()).hexdigest()[:12]
+    """What the access log says for a conversation: the first 12 hex digits of its key in the
+    table and on decode (:func:`~kvturn.gateway.auth.scoped_key`: a tenant's ``chat-1`` is
+    never another's), the same from every gateway process and in every line of it."""
+    return scoped_key(tenant, conversation_id)[2:14]
 
 
 class AccessLog:
@@ -78,7 +80,7 @@ class AccessLog:
 
 def _log(scope: Any, reply: dict[str, Any], start: float) -> None:
     tenant = scope.get(TENANT_SCOPE_KEY)
-    path, conversation = _path(scope["path"], tenant or "")
+    path, conversation = _path(scope, tenant or "")
     fields: dict[str, Any] = {
         "method": scope["method"],
         "path": path,
@@ -97,7 +99,8 @@ def _log(scope: Any, reply: dict[str, Any], start: float) -> None:
         if field is not None:
             text = value.decode("latin-1")
             if field == "conversation":
-                text = conversation_digest(tenant or "", text)
+                # The gateway's echo, as an id travels in a header (encoded where it must be).
+                text = conversation_digest(tenant or "", h.conversation_id_from_header(text))
             elif field == "reused_tokens" and text.isdigit():
                 fields[field] = int(text)
                 continue
@@ -118,13 +121,17 @@ def _log(scope: Any, reply: dict[str, Any], start: float) -> None:
     )
 
 
-def _path(path: str, tenant: str) -> tuple[str, str | None]:
+def _path(scope: Any, tenant: str) -> tuple[str, str | None]:
     """The request's path to log, a conversation id in it (a heartbeat's, a release's; routed
-    or not) replaced by its digest; and that digest."""
+    or not) replaced by its digest; and that digest. The id is one percent-encoded segment of
+    the path as sent (:func:`kvturn.control.path_segment`: it may hold ``/`` once decoded)."""
+    path: str = scope["path"]
     if not path.startswith(_CONVERSATIONS):
         return path, None
-    conversation_id, slash, rest = path[len(_CONVERSATIONS) :].partition("/")
-    if not conversation_id:
+    raw = scope.get("raw_path")
+    sent = raw.decode("latin-1") if raw else path
+    segment, slash, rest = sent[len(_CONVERSATIONS) :].partition("/")
+    if not segment:
         return path, None
-    digest = conversation_digest(tenant, conversation_id)
+    digest = conversation_digest(tenant, unquote(segment))
     return _CONVERSATIONS + digest + slash + rest, digest
