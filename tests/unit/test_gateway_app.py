@@ -920,3 +920,23 @@ def test_a_stream_longer_than_the_request_timeout_completes(fake_url: str) -> No
     events = [e for e in response.text.split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) == 41
     assert "error" not in response.text
+
+
+def test_decodes_without_a_control_server_serve_plain_pd(fake_url: str) -> None:
+    """Stock engines (vLLM's own NixlConnector, no kvturn control server): listed without
+    control URLs, every turn of a conversation is answered and recomputes; the gateway never
+    calls a control API there is none of."""
+    from tests import fake_engine
+
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url]))
+    before = dict(fake_engine.COUNTS)
+    with running_gateway(config) as running:
+        for turn in range(3):
+            for stream in (False, True):
+                response = _chat(running.url, stream, **{"X-Conversation-Id": "stock-pd"})
+                assert response.status_code == 200, response.text
+                assert response.headers["x-kvturn-plan"] == "recompute", (turn, stream)
+    control = {k: v - before.get(k, 0) for k, v in fake_engine.COUNTS.items()}
+    assert control["decode"] == 6
+    for call in ("claims", "releases", "retained_asked", "woken"):
+        assert control.get(call, 0) == 0, call

@@ -64,9 +64,6 @@ class KVSettings:
     #: engine) for ``decoder_kv_blocks_ttl_s``, as upstream's bidirectional connector does;
     #: off, such requests keep nothing, as in plain P/D.
     retain_untracked: bool = True
-    #: vLLM's own NixlConnector instead of kvturn's (a stock engine, as a deployment that does
-    #: not install kvturn beside vLLM runs it): plain P/D, no leases, no reuse from it.
-    stock: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,12 +134,6 @@ class EngineSpec:
     def kv_transfer_config(self) -> dict[str, object] | None:
         if self.role == "single":
             return None
-        if self.kv.stock:
-            return {
-                "kv_connector": "NixlConnector",
-                "kv_role": "kv_both",
-                "kv_buffer_device": self.device,
-            }
         push = self.kv.transfer == "push"
         extra: dict[str, object] = {
             # Upstream's push connector refuses bidirectional transfer; kvturn reuses on
