@@ -395,7 +395,8 @@ def test_bad_requests_get_openai_errors(
 def test_invalid_conversation_id_and_engine_errors(local_pair: LocalPair, pull_url: str) -> None:
     client = _client(pull_url)
     with pytest.raises(openai.BadRequestError, match="conversation id"):
-        run_turn(client, local_pair.model, _opening("x", 50), conversation_id="bad id!")
+        # Any string is an id (kvturn.headers.conversation_id_problem), up to 1,024 bytes.
+        run_turn(client, local_pair.model, _opening("x", 50), conversation_id="x" * 1025)
     # The engine's own 4xx comes back unchanged.
     with pytest.raises(openai.BadRequestError):
         run_turn(client, local_pair.model, _opening("x", 50), max_tokens=10**7)
