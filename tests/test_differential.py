@@ -534,11 +534,11 @@ def test_a_stream_longer_than_the_request_timeout_completes(local_pair: LocalPai
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    # Once in the pair's life, early on, a decode stream here stalls for 5 s: vLLM's worker
-    # rechecks its shared-memory queue every 5 s after a lost wake-up (SHM_READER_RECHECK_
-    # INTERVAL_MS in vllm/distributed/device_communicators/shm_broadcast.py). Measured with a
-    # stream straight to the decode engine too; it is not the gateway's, and not this test's
-    # subject: one stream through the session's gateway first takes it.
+    # An idle decode's worker parks on its socket (kvturn caps its spin window while idle:
+    # kvturn.connector.engine_pacing), and a wake-up vLLM loses there costs 5 s (its
+    # SHM_READER_RECHECK_INTERVAL_MS). Generating, the worker spins as upstream's does; one
+    # stream first makes this one start on an engine that just generated, not on an idle one:
+    # the timeout of silences is this test's subject, not that hand-over.
     warm = httpx.post(local_pair.gateway_url + "/chat/completions", json=body, timeout=300)
     assert warm.status_code == 200
     with running_gateway(config) as gateway:
