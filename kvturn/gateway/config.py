@@ -60,6 +60,10 @@ class GatewayConfig:
     #: Requests without a conversation id that extend a recent turn's messages and reply are
     #: served as that conversation's next turn.
     implicit_conversations: bool = True
+    #: A request that starts from another live turn's context (a fork or subagent of a
+    #: conversation, a parallel call, with an id or without) is served on the decode holding
+    #: that context, which its prefix cache shares: every chat turn is indexed by its messages.
+    shared_prefixes: bool = True
     #: Conversations remembered at once; the least recently used beyond this are dropped.
     max_conversations: int = 100_000
     #: Responses API responses kept for ``previous_response_id`` and ``GET`` (least recently
@@ -186,7 +190,8 @@ class GatewayConfig:
             "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
-            "implicit_conversations": parse_flag, "state": str, "state_timeout_s": float,
+            "implicit_conversations": parse_flag, "shared_prefixes": parse_flag, "state": str,
+            "state_timeout_s": float,
             "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,
             "guard_metrics": parse_flag, "access_log": parse_flag, "log_level": str.lower,
             "log_format": str.lower,

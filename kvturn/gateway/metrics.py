@@ -42,7 +42,8 @@ class GatewayMetrics:
         )  # fmt: skip
         self.implicit = Counter(
             "kvturn_implicit_conversations",
-            "Requests without a conversation id: matched to a recent turn, or a new conversation",
+            "Requests without a conversation id: matched to a recent turn, a fork of an older one "
+            "(a new conversation sharing its KV), or a new conversation",
             ["result"], registry=r,
         )  # fmt: skip
         self.count_seconds = Histogram(

@@ -42,7 +42,9 @@ class TurnPlan:
     #: ``kv-gone``, ``pull-failed``, ``no-common-prefix``, ``decode-failed``,
     #: ``cache-salt-changed``.
     #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``history-edited``,
-    #: ``suffix-too-long``, ``holder-busy``, ``cheaper``. ``decode-local``: ``cheaper``.
+    #: ``suffix-too-long``, ``holder-busy``, ``cheaper``. ``decode-local``: ``cheaper``;
+    #: ``fork`` and ``parallel`` (the prompt starts with KV another turn holds or took, read
+    #: through the holder's prefix cache: :class:`~.turns.model.Source`).
     reason: str
 
     @property
@@ -156,6 +158,42 @@ def choose_reuse(inputs: ReuseInputs, limits: LocalLimits, costs: CostModel) -> 
     return TurnPlan("pull-reuse", "cheaper")
 
 
+@dataclass(frozen=True, slots=True)
+class SharedInputs:
+    """What :func:`choose_shared` knows about a turn whose prompt starts with KV that another
+    turn owns on a decode (a fork's parent, a parallel sibling)."""
+
+    #: ``fork`` or ``parallel`` (:class:`~.turns.model.Source`).
+    kind: str
+    #: The prompt's tokens (exact), and those of its start that the owner's KV covers
+    #: (verified by digest, in whole blocks).
+    prompt_tokens: int
+    covered_tokens: int
+    holder_running: int
+    holder_url: str
+    prefill_url: str
+
+
+def choose_shared(
+    inputs: SharedInputs, limits: LocalLimits, costs: CostModel, threshold_tokens: int
+) -> TurnPlan | None:
+    """``decode-local`` on the decode holding the shared KV (its prefix cache serves it; the
+    owner's lease keeps it there), or ``None``: plain P/D is the better plan (where prefill's
+    own prefix cache may serve the shared start as well). A pull is never planned: NIXL frees
+    a lease's blocks after one read, and the KV is not this turn's to use up."""
+    if not limits.enabled or inputs.covered_tokens < threshold_tokens:
+        return None
+    suffix = max(1, inputs.prompt_tokens - inputs.covered_tokens)
+    if suffix > limits.max_suffix_tokens or inputs.holder_running >= limits.max_running:
+        return None
+    local = costs.local_seconds(inputs.holder_url, suffix, inputs.prefill_url)
+    local += limits.stall_weight * inputs.holder_running * local
+    recompute = costs.recompute_seconds(inputs.prefill_url, inputs.prompt_tokens)
+    if local > recompute * (1 + limits.preference):
+        return None
+    return TurnPlan("decode-local", inputs.kind)
+
+
 class LinearCost:
     """``seconds ≈ fixed + per_token * tokens``, fitted online by least squares with
     exponential forgetting (``decay`` per observation: the last ~20 turns count).
@@ -262,6 +300,10 @@ class CostModel:
         if prefill_url is not None and prefill_url in self.prefill:
             prior = (PRIOR_LOCAL[0], self.prefill[prefill_url].coefficients()[1])
         return self._local(decode_url).predict(suffix, prior)
+
+    def recompute_seconds(self, prefill_url: str, prompt: int) -> float:
+        """Plain P/D of a ``prompt``-token turn: prefill, then decode's read of it."""
+        return self._prefill(prefill_url).predict(prompt) + self.handoff.predict(prompt)
 
     def pull_seconds(self, prefill_url: str, held: int, suffix: int) -> float:
         return (

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from kvturn.gateway.errors import StateUnavailable
-from kvturn.gateway.state.implicit import RedisImplicitIndex
+from kvturn.gateway.state.implicit import Indexed, RedisImplicitIndex
 from kvturn.gateway.state.redis_client import RedisState
 from kvturn.gateway.state.response_store import MemoryResponseStore, RedisResponseStore
 from kvturn.gateway.state.stores import open_state
@@ -247,21 +247,21 @@ async def test_a_new_conversations_first_write_makes_its_entry(
         first.turn,
         _held("r1"),
         fresh=first.conversation,
-        findable=(digest, ("k", "conv")),
+        findable=(digest, Indexed("k", "conv")),
     )
     assert recorded.kept and recorded.replaced is None
-    assert await store.implicit.match([b"\x02" * 16, digest]) == ("k", "conv")
+    assert await store.implicit.match([b"\x02" * 16, digest]) == Indexed("k", "conv")
     second = await store.take("k", "conv", None)
     assert second.turn == 2 and second.conversation.holder_request_id == "r1"
     assert second.conversation.conversation_id == "conv"
     # The mark of a streamed first turn makes the entry; its record (no ``fresh``: the mark
     # made it) is kept, and a next turn that came meanwhile waited for it.
     streamed = fresh_turn("s", "streamed")
-    marked = (b"\x04" * 16, ("s", "streamed"))
+    marked = (b"\x04" * 16, Indexed("s", "streamed"))
     marking = store.settling("s", streamed.turn, streamed.conversation, marked)
     if marking is not None:
         await marking
-    assert await store.implicit.match([marked[0]]) == ("s", "streamed")
+    assert await store.implicit.match([marked[0]]) == Indexed("s", "streamed")
 
     async def record_soon() -> None:
         await asyncio.sleep(0.1)
@@ -281,7 +281,7 @@ async def test_a_new_conversations_first_write_makes_its_entry(
     assert (await store.lookup("k")).turns == 2  # type: ignore[union-attr]
     # Nothing to index where there is no entry (the conversation was released).
     await store.remove("k")
-    await store.record("k", 7, 3, None, findable=(b"\x03" * 16, ("k", "conv")))
+    await store.record("k", 7, 3, None, findable=(b"\x03" * 16, Indexed("k", "conv")))
     assert await store.implicit.match([b"\x03" * 16]) is None
     assert await store.counts() == (1, 0)  # "s", made by its mark (its KV taken by turn 2)
 

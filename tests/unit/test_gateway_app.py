@@ -374,8 +374,9 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
     that comes first finds it by the older turn's, and waits if it was marked). A new
     conversation takes nothing (its key was just drawn), and nobody can find it before it is
     indexed: its first write makes the entry, indexes it, and marks a stream, as the stream
-    ends. One table call for a new conversation's non-streamed turn, two for a streamed one
-    (Redis had three and four)."""
+    ends; its record indexes it again, now with where its KV stays (what a fork of it reads).
+    One table call for a new conversation's non-streamed turn, two for a streamed one (Redis
+    had three and four)."""
     config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
     with running_gateway(config) as gateway:
         runner = gateway.app.state.gateway.runner
@@ -400,7 +401,8 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
         first = httpx.post(gateway.url + "/v1/chat/completions", json=body)
         assert first.status_code == 200
         _until(lambda: len(calls) == (2 if stream else 1), f"recorded: {calls}")
-        assert calls == (["mark made indexed", "record"] if stream else ["record made indexed"])
+        expected = ["mark made indexed", "record indexed"] if stream else ["record made indexed"]
+        assert calls == expected
         conversation = first.headers["x-conversation-id"]
         entry = runner.context.store.peek(scoped_key("", conversation))
         assert entry is not None and entry.turns == 1 and entry.holder_url == fake_url

@@ -27,7 +27,7 @@ from kvturn.gateway.planner import (
     choose_reuse,
     plan_turn,
 )
-from kvturn.gateway.state.implicit import ImplicitIndex
+from kvturn.gateway.state.implicit import ImplicitIndex, Indexed
 from kvturn.gateway.state.redis_client import RedisState
 from kvturn.gateway.state.table import fresh_turn
 from kvturn.gateway.state.table_in_process import ConversationStore
@@ -268,7 +268,7 @@ async def test_a_resent_history_finds_its_conversation_whatever_the_client_refor
     # Indexed as the gateway indexes a new conversation's streamed turn: by the mark that
     # makes its entry, as the reply ends.
     first = fresh_turn("key-1", "implicit-1")
-    findable = (extend(message_digests(s, turn1)[-1], CALL), ("key-1", "implicit-1"))
+    findable = (extend(message_digests(s, turn1)[-1], CALL), Indexed("key-1", "implicit-1"))
     marking = table.settling("key-1", first.turn, first.conversation, findable)
     if marking is not None:
         await marking
@@ -287,7 +287,7 @@ async def test_a_resent_history_finds_its_conversation_whatever_the_client_refor
         ],
     }
     turn2 = [*turn1, echoed, {"role": "tool", "tool_call_id": "call_other", "content": "22C"}]
-    assert await index.match(message_digests(s, turn2)) == ("key-1", "implicit-1")
+    assert await index.match(message_digests(s, turn2)) == Indexed("key-1", "implicit-1")
     # Another tenant, another model, or a changed message: no match.
     assert await index.match(message_digests(seed("other", "tiny"), turn2)) is None
     assert await index.match(message_digests(seed("tenant", "big"), turn2)) is None

@@ -101,6 +101,7 @@ async def status(request: Request) -> Response:
             "local_stall_weight": config.local_stall_weight,
             "local_preference": config.local_preference,
             "implicit_conversations": config.implicit_conversations,
+            "shared_prefixes": config.shared_prefixes,
             "lease_s": config.lease_s,
         },
         "costs": runner.context.costs.snapshot(),

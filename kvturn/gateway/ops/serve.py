@@ -34,6 +34,10 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "local_stall_weight": (float, "weight of the delay a local prefill costs other streams"),
     "local_preference": (float, "a local prefill may be predicted this much slower than a pull"),
     "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
+    "shared_prefixes": (
+        parse_flag,
+        "on/off: forks, subagents and parallel calls read the context they share on its decode",
+    ),
     "max_responses": (int, "Responses API responses kept in process for chaining (LRU beyond)"),
     "responses_ttl_s": (float, "how long a stored Responses API response is kept, seconds"),
     "state": (str, "stored state: memory (this process) or redis://host:port/db (shared)"),

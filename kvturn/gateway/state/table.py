@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvturn.gateway.state.implicit import Index
+from kvturn.gateway.state.implicit import Index, Indexed
 
 
 @dataclass(slots=True)
@@ -166,7 +166,7 @@ class ConversationTable(Protocol):
         key: str,
         turn: int,
         fresh: Conversation | None = None,
-        findable: tuple[bytes, tuple[str, str]] | None = None,
+        findable: tuple[bytes, Indexed] | None = None,
     ) -> Awaitable[None] | None:
         """The turn's reply is under way: next turns wait for its record a while. Done at
         once, or under way (the awaitable) where it needs a round trip. ``fresh`` and
@@ -180,7 +180,7 @@ class ConversationTable(Protocol):
         held: Held | None,
         *,
         fresh: Conversation | None = None,
-        findable: tuple[bytes, tuple[str, str]] | None = None,
+        findable: tuple[bytes, Indexed] | None = None,
     ) -> Recorded:
         """The turn is over: ``held`` is where its KV now lives (``None``: nowhere).
         ``fresh``: the entry a :func:`fresh_turn` started, made now if there is none (its
@@ -191,6 +191,11 @@ class ConversationTable(Protocol):
 
     async def lookup(self, key: str) -> Conversation | None:
         """The entry as it is (a heartbeat; counted as one)."""
+        ...
+
+    async def snapshot(self, key: str) -> Conversation | None:
+        """The entry as it is, read only: nothing counted, taken or kept alive (a fork reads
+        where its parent's KV lives)."""
         ...
 
     async def renewed(self, key: str, request_id: str, expires_in_s: float | None) -> float:

@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvturn.gateway.state.implicit import ImplicitIndex
+from kvturn.gateway.state.implicit import ImplicitIndex, Indexed
 from kvturn.gateway.state.table import Conversation, Held, Recorded, Taken
 
 
@@ -51,7 +51,7 @@ class ConversationStore:
         key: str,
         turn: int,
         fresh: Conversation | None = None,
-        findable: tuple[bytes, tuple[str, str]] | None = None,
+        findable: tuple[bytes, Indexed] | None = None,
     ) -> None:
         conversation = self._written(key, turn, fresh, findable)
         if conversation is not None and conversation.recorded_turn < turn:
@@ -68,7 +68,7 @@ class ConversationStore:
         held: Held | None,
         *,
         fresh: Conversation | None = None,
-        findable: tuple[bytes, tuple[str, str]] | None = None,
+        findable: tuple[bytes, Indexed] | None = None,
     ) -> Recorded:
         conversation = self._written(key, turn, fresh, findable)
         if conversation is None or conversation.epoch != epoch:
@@ -105,6 +105,10 @@ class ConversationStore:
             return None
         conversation.heartbeats += 1
         return dataclasses.replace(conversation, settling=None)
+
+    async def snapshot(self, key: str) -> Conversation | None:
+        conversation = self._items.get(key)
+        return None if conversation is None else dataclasses.replace(conversation, settling=None)
 
     async def renewed(self, key: str, request_id: str, expires_in_s: float | None) -> float:
         conversation = self._items.get(key)
@@ -166,7 +170,7 @@ class ConversationStore:
         key: str,
         turn: int,
         fresh: Conversation | None,
-        findable: tuple[bytes, tuple[str, str]] | None,
+        findable: tuple[bytes, Indexed] | None,
     ) -> Conversation | None:
         """The entry a write (a mark or a record) goes to: for ``fresh``, the one a
         :func:`~.table.fresh_turn` started, made if there is none; indexed by ``findable`` if it

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvturn.gateway.state import lua
-from kvturn.gateway.state.implicit import RedisImplicitIndex
+from kvturn.gateway.state.implicit import Indexed, RedisImplicitIndex
 from kvturn.gateway.state.redis_client import RedisState
 from kvturn.gateway.state.table import Conversation, Held, Recorded, Taken
 
@@ -95,7 +95,7 @@ class RedisConversations:
         key: str,
         turn: int,
         fresh: Conversation | None = None,
-        findable: tuple[bytes, tuple[str, str]] | None = None,
+        findable: tuple[bytes, Indexed] | None = None,
     ) -> Awaitable[None]:
         index_key, index_value = self.implicit.item(*findable) if findable else ("", b"")
         args = (
@@ -118,7 +118,7 @@ class RedisConversations:
         held: Held | None,
         *,
         fresh: Conversation | None = None,
-        findable: tuple[bytes, tuple[str, str]] | None = None,
+        findable: tuple[bytes, Indexed] | None = None,
     ) -> Recorded:
         now = self.clock()
         index_key, index_value = self.implicit.item(*findable) if findable else ("", b"")
@@ -151,6 +151,16 @@ class RedisConversations:
         keys = (self._key(key), self._seen)
         raw = await self._call("lookup", self._lookup, keys, (self.clock(), self.ttl_ms))
         return _conversation(key, _pairs(raw)) if raw else None
+
+    async def snapshot(self, key: str) -> Conversation | None:
+        try:
+            raw = await self._client.hgetall(self._key(key))
+        except self._redis.errors as error:
+            raise self._redis.failed("snapshot", error) from None
+        self._redis.succeeded()
+        if not raw:
+            return None
+        return _conversation(key, {_text(k): _text(v) for k, v in raw.items()})
 
     async def renewed(self, key: str, request_id: str, expires_in_s: float | None) -> float:
         expires = "" if expires_in_s is None else self.clock() + expires_in_s

@@ -6,6 +6,8 @@ fallbacks; it asks
 - :mod:`.reuse`: which conversation the turn continues (by id, or found by its messages), what
   the table gives it, and how it uses the conversation's previous KV (decode-local, pull-reuse
   or recompute; a lease claimed for a pull);
+- :mod:`.sharing`: KV another turn owns that the turn's prompt starts with (a fork's or
+  subagent's parent, a parallel sibling), read on its decode without taking it;
 - :mod:`.placement`: which prefill engine takes it (its prompts' prefix cache) and where its
   tokens are counted;
 - :mod:`.dispatch`: P/D with a pull or a recompute, and a turn on one side alone when the

@@ -65,14 +65,17 @@ class Decoder:
         *,
         target: Instance | None = None,
         supersedes: str | None = None,
+        lease_name: str | None = None,
         avoid: Instance | None = None,
         request_id: str | None = None,
         keep: bool = True,
     ) -> Reply:
         """Decode's reply: after prefill (on a decode other than ``avoid``, if there is one),
         or (``target``, a ``decode-local`` turn) on the holder alone, whose new lease then
-        ``supersedes`` the previous one. ``keep=False``: the engine keeps no KV of the turn
-        (a prefill engine serving it alone)."""
+        ``supersedes`` the previous one. ``lease_name``: what decode's connector leases the
+        KV under, where not the conversation's key (:attr:`~.model.Reuse.lease_name`).
+        ``keep=False``: the engine keeps no KV of the turn (a prefill engine serving it
+        alone)."""
         conversation = taken.conversation if taken is not None else None
         prefer = conversation.holder_url if conversation else None
         if target is not None:
@@ -89,7 +92,8 @@ class Decoder:
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
         # once: a turn without a conversation never comes back for it).
-        params[CONVERSATION_KEY] = conversation.key if conversation and keep else None
+        lease_under = (lease_name or conversation.key) if conversation and keep else None
+        params[CONVERSATION_KEY] = lease_under
         # The lease this decode grants (its connector cuts a longer one): the client plans its
         # heartbeats from what the header says, so it must never say more.
         lease_s = instance.lease_s(self.context.config.lease_s)

@@ -8,7 +8,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -45,9 +45,12 @@ class Turn:
     pause: tuple[str, float] | None = None
     #: The caller's tenant (``""`` on an open gateway): conversations are its own.
     tenant: str = ""
-    #: For a turn of an implicit conversation: the digest of its messages, which its reply
-    #: extends into the key the next turn is found by.
+    #: The digest of a chat turn's messages, which its reply extends into the key the
+    #: conversation's next turn, or a fork of it, is found by (``None``: not indexed).
     implicit: bytes | None = None
+    #: Another turn's KV this turn's prompt starts with, which it may read without taking
+    #: it (:class:`Source`; found by :meth:`~.reuse.ReuseStep.find_source`).
+    source: Source | None = None
     #: The conversation table could not be reached: the turn recomputes, keeping nothing.
     state_unavailable: bool = False
     #: A chat turn's chained message digests (see :meth:`message_digests`).
@@ -106,6 +109,24 @@ class Turn:
         return self.digests
 
 
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Live KV that a turn's prompt starts with and that the turn reads through its holder
+    decode's prefix cache, never taking it: the context a fork or subagent shares with its
+    parent conversation, or the history a parallel turn shares with the sibling that took
+    the conversation's KV. The turn gets a lease of its own; the owner keeps its own."""
+
+    #: ``fork``: another conversation's turn (or an older turn of one that moved on);
+    #: ``parallel``: this conversation's KV, taken by a turn still in flight.
+    kind: Literal["fork", "parallel"]
+    holder_url: str
+    #: What the prompt must start with (a turn's verified prompt prefix) and its tokens.
+    digest: str
+    digest_tokens: int
+    #: When the owner's lease lapses (the table's clock; 0: in use by a turn in flight).
+    expires_at: float = 0.0
+
+
 @dataclass(slots=True)
 class Uncounted:
     """A ``decode-local`` turn planned from a bound on its new tokens
@@ -139,6 +160,10 @@ class Reuse:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     uncounted: Uncounted | None = None
+    #: The name decode's connector leases the turn's KV under, where it is not the
+    #: conversation's (a parallel turn: its lease must not end its sibling's on the engine;
+    #: the table keeps the one of the turn begun last, :mod:`kvturn.gateway.state.table`).
+    lease_name: str | None = None
 
 
 @dataclass(slots=True)

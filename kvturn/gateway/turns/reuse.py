@@ -14,13 +14,19 @@ from typing import Any
 from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.errors import NoHealthyEngine, StateUnavailable
 from kvturn.gateway.extension import new_tokens_bound
-from kvturn.gateway.planner import ReuseInputs, TurnPlan, choose_reuse, plan_turn
+from kvturn.gateway.planner import (
+    ReuseInputs,
+    TurnPlan,
+    choose_reuse,
+    plan_turn,
+)
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.state.table import Conversation, Taken, fresh_turn
-from kvturn.gateway.tokens import CHAT_PATH, prompt_token_ids
+from kvturn.gateway.tokens import prompt_token_ids
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import Reuse, Turn, Uncounted
 from kvturn.gateway.turns.placement import choose_prefill, counter
+from kvturn.gateway.turns.sharing import Sharing, indexed_digest, reply_ends
 from kvturn.wire import DIGEST_CHUNK_TOKENS, EXPIRES_IN_KEY, last_prefix_digest
 
 #: Why the holder had no lease to claim → the turn's fallback reason.
@@ -36,17 +42,22 @@ class ReuseStep:
 
     def __init__(self, context: TurnContext):
         self.context = context
+        self.sharing = Sharing(context)
 
     async def take(self, turn: Turn) -> Taken | None:
         """The conversation the turn continues (by its id, or found by its messages), taken
         off the table for this turn: its previous KV is this turn's alone. ``None``: no
-        conversation (or the table could not be reached: the turn is marked for it)."""
+        conversation (or the table could not be reached: the turn is marked for it). A turn
+        with nothing of its own to reuse may find a :class:`~.model.Source` to share
+        (:mod:`.sharing`)."""
         taken: Taken | None = None
         try:
             named: tuple[str, str, bool] | None = None
             if turn.conversation_id:
                 key = scoped_key(turn.tenant, turn.conversation_id)
                 named = key, turn.conversation_id, False
+                if self.context.config.shared_prefixes:
+                    turn.implicit = indexed_digest(turn)  # forks of it find it
             elif self.context.config.implicit_conversations:
                 named = await self.implicit_conversation(turn)
             if named is not None:
@@ -60,11 +71,14 @@ class ReuseStep:
                     taken = await self.context.store.take(
                         key, conversation_id, turn.turn_id, wait_s
                     )
+            if taken is not None and turn.source is None and turn.implicit is not None:
+                await self.sharing.find_source(turn, taken.conversation)
         except StateUnavailable:
             # Nothing is known, nothing will be recorded: the turn recomputes and its decode
             # keeps no KV (no conversation to lease it to).
             turn.state_unavailable = True
             turn.implicit = None
+            turn.source = None
         else:
             if taken is not None and taken.retry:
                 self.context.metrics.turn_retries.inc()
@@ -73,29 +87,39 @@ class ReuseStep:
     async def implicit_conversation(self, turn: Turn) -> tuple[str, str, bool] | None:
         """The conversation (key, id) a chat request without an id continues, found by its
         messages (see :mod:`kvturn.gateway.state.implicit`), or a new one that its next turn
-        can find (and whether it is new: a key just drawn, in no table yet)."""
-        messages = turn.body.get("messages")
-        if turn.path != CHAT_PATH or not isinstance(messages, list) or not messages:
+        can find (and whether it is new: a key just drawn, in no table yet). A request that
+        extends an older turn of a conversation that has moved on is a fork: a new
+        conversation, sharing the old one's KV (:mod:`.sharing`), never taking it."""
+        digest = indexed_digest(turn)
+        if digest is None:
             return None
-        if (turn.body.get("n") or 1) != 1:
-            return None  # which choice comes back next turn is not known
-        digests = turn.message_digests()
-        turn.implicit = digests[-1]
+        turn.implicit = digest
         # Only a prefix that ends with a reply can be a recorded turn's messages plus reply: a
         # conversation's first request (no assistant message yet) is not looked up at all.
-        ends = [d for d, m in zip(digests, messages, strict=True) if is_reply(m)]
+        ends = reply_ends(turn)
         found = await self.context.store.implicit.match(ends) if ends else None
         if found is not None:
-            key, conversation_id = found
-            self.context.metrics.implicit_by["matched"].inc()
-            return key, conversation_id, False
+            entry = None
+            if self.context.config.shared_prefixes and found.turn:
+                entry = await self.context.store.snapshot(found.key)
+            if entry is None or entry.recorded_turn <= found.turn:
+                self.context.metrics.implicit_by["matched"].inc()
+                return found.key, found.conversation_id, False
+            turn.source = self.sharing.source_of(turn, found, entry)
+            self.context.metrics.implicit_by["forked"].inc()
+        else:
+            self.context.metrics.implicit_by["new"].inc()
         conversation_id = f"implicit-{os.urandom(12).hex()}"
-        self.context.metrics.implicit_by["new"].inc()
         return scoped_key(turn.tenant, conversation_id), conversation_id, True
 
     async def plan(self, turn: Turn, conversation: Conversation | None) -> Reuse:
         """Decide how this turn uses the conversation's previous KV; claim it if prefill
-        will read it."""
+        will read it. A turn with none, but a :class:`~.model.Source`, may share that."""
+        own = conversation is not None and conversation.holder_url is not None
+        if turn.source is not None and not own and not turn.state_unavailable:
+            shared = await self.sharing.plan(turn, turn.source, conversation)
+            if shared is not None:
+                return shared
         holder = self.context.decode.get(conversation.holder_url) if conversation else None
         plan = plan_turn(
             conversation,
@@ -230,7 +254,3 @@ class ReuseStep:
     def usable(self, params: dict[str, Any]) -> bool:
         """Whether a claimed lease still runs long enough for the pull to land."""
         return float(params.pop(EXPIRES_IN_KEY, 0)) > self.context.config.expiry_margin_s
-
-
-def is_reply(message: Any) -> bool:
-    return isinstance(message, dict) and message.get("role") == "assistant"

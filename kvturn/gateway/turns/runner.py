@@ -86,7 +86,7 @@ class TurnRunner:
         scratch if decode fails before replying. Where one side has no engine left that
         answers, the other side's engine serves the turn alone."""
         conversation = taken.conversation if taken is not None else None
-        self.wake_decode(conversation)
+        self.wake_decode(conversation, turn)
         with tracing.phase(turn.tracer, "kvturn.plan"):
             reuse = await self.reuse.plan(turn, conversation)
         failed: Instance | None = None
@@ -108,7 +108,12 @@ class TurnRunner:
             )
             try:
                 return await self.decoder.decode(
-                    turn, taken, local, target=reuse.holder, supersedes=reuse.previous_key
+                    turn,
+                    taken,
+                    local,
+                    target=reuse.holder,
+                    supersedes=reuse.previous_key,
+                    lease_name=reuse.lease_name,
                 )
             except DecodeFailed as failure:
                 failed = self.decoder.failed(failure)
@@ -140,14 +145,15 @@ class TurnRunner:
                 return await self.dispatch.prefill_alone(turn, taken, "no-decode")
         return await self.dispatch.prefill_alone(turn, taken, "decode-failed-twice")
 
-    def wake_decode(self, conversation: Conversation | None) -> None:
+    def wake_decode(self, conversation: Conversation | None, turn: Turn) -> None:
         """An idle decode paces its empty steps (up to a quarter second apart while it holds
         leases): tell the one this turn will likely use, while prefill runs, unless it was
         busy lately (see ``WAKE_AFTER_IDLE_S``)."""
+        prefer = conversation.holder_url if conversation else None
+        if prefer is None and turn.source is not None:
+            prefer = turn.source.holder_url
         try:
-            target = self.context.decode.choose(
-                prefer=conversation.holder_url if conversation else None
-            )
+            target = self.context.decode.choose(prefer=prefer)
         except NoHealthyEngine:
             return
         now = time.monotonic()

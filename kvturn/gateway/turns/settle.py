@@ -20,7 +20,8 @@ from kvturn.gateway.digests import extend
 from kvturn.gateway.errors import StateUnavailable
 from kvturn.gateway.extension import BOUNDARY_TOKENS, prompt_mark
 from kvturn.gateway.pools import Instance
-from kvturn.gateway.state.table import Conversation, Held, Recorded, Taken
+from kvturn.gateway.state.implicit import Indexed
+from kvturn.gateway.state.table import Held, Recorded, Taken
 from kvturn.gateway.tokens import prompt_token_ids
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.model import PrefillResult, Turn
@@ -48,7 +49,8 @@ class After:
     request_id: str
     #: ``decode-local``: the lease the new one supersedes on the same decode.
     supersedes: str | None
-    #: Implicit conversations: the digest of the turn's messages, and the reply that extends it.
+    #: The digest of the turn's messages (the reply extends it into what the turn is
+    #: indexed by: :attr:`~.model.Turn.implicit`), and that reply.
     implicit: bytes | None
     #: What prefill said of the turn: its prompt tokens (what the next turn's prompt starts
     #: with, unedited), known once prefill answered (a push turn's, after decode started).
@@ -143,20 +145,20 @@ class Settlement:
         taken, holder, request_id = after.taken, after.holder, after.request_id
         assert taken is not None
         held: Held | None = None
-        # An implicit conversation's next turn finds it by this turn's messages and reply.
-        # The record indexes it by them, in the same step: a next turn that comes first
-        # finds it by an older turn's (a prefix of its messages too) and waits for the
-        # record, if the reply was marked; or it finds the conversation only once its KV is
-        # recorded. A new conversation has no older turn: if its record may take a while (a
-        # marked reply), it is indexed now, by the call that makes and marks its entry.
-        findable = self.findable(after, taken.conversation)
+        # The conversation's next turn (an implicit one's), or a fork of it, finds it by this
+        # turn's messages and reply. The record indexes it by them, in the same step, with
+        # where the turn's KV stays: a next turn that comes first finds it by an older turn's
+        # (a prefix of its messages too) and waits for the record, if the reply was marked;
+        # or it finds the conversation only once its KV is recorded. A new conversation has no
+        # older turn: if its record may take a while (a marked reply), it is indexed now, by
+        # the call that makes and marks its entry, and again by its record.
+        findable = self.findable(after, taken, None)
         try:
             if after.marked and taken.fresh and (holder is not None or findable is not None):
                 conversation = taken.conversation
                 after.marking = self.context.store.settling(
                     conversation.key, taken.turn, conversation, findable
                 )
-                findable = None
             if after.marking is not None:
                 with contextlib.suppress(StateUnavailable):
                     await after.marking
@@ -217,19 +219,32 @@ class Settlement:
             # Always recorded, KV or none: the mark of a reply under way comes off with it. A
             # new conversation's entry is made by its first write (the mark, if there was
             # one), if there is anything to remember: a first turn that failed leaves none.
+            findable = self.findable(after, taken, held)
             fresh = taken.fresh and not after.marked and (held is not None or findable is not None)
             await self.record(taken, held, fresh=fresh, findable=findable)
             if after.prefilled.uncounted is not None:
                 await self.count_after(after.prefilled, after.decode_url)
 
     @staticmethod
-    def findable(after: After, conversation: Conversation) -> tuple[bytes, tuple[str, str]] | None:
-        """An implicit conversation's next turn starts with this turn's messages and reply:
-        the digest of them, and the conversation to index under it."""
+    def findable(after: After, taken: Taken, held: Held | None) -> tuple[bytes, Indexed] | None:
+        """The conversation's next turn (or a fork of it) starts with this turn's messages and
+        reply: the digest of them, and what to index under it (with ``held``, where the
+        turn's KV stays)."""
         if after.implicit is None or after.reply is None:
             return None
         digest = extend(after.implicit, after.reply)
-        return digest, (conversation.key, conversation.conversation_id)
+        conversation = taken.conversation
+        indexed = Indexed(conversation.key, conversation.conversation_id, taken.turn)
+        if held is not None and held.held_digest is not None:
+            indexed = Indexed(
+                conversation.key,
+                conversation.conversation_id,
+                taken.turn,
+                held.holder_url,
+                held.held_digest,
+                held.held_digest_tokens,
+            )
+        return digest, indexed
 
     async def count_after(self, prefilled: PrefillResult, decode_url: str) -> None:
         """Count an uncounted turn's prompt now that its reply is over: for the metrics and
@@ -271,7 +286,7 @@ class Settlement:
         held: Held | None,
         *,
         fresh: bool = False,
-        findable: tuple[bytes, tuple[str, str]] | None = None,
+        findable: tuple[bytes, Indexed] | None = None,
     ) -> None:
         """Record ``held`` as the conversation's KV (``fresh``: making its entry; and
         ``findable``, indexing it by its messages); free whatever nobody can come back for:
