@@ -365,3 +365,22 @@ async def test_a_gateways_stores_share_one_redis_client_and_timeout(
             "postgres://x", max_conversations=10, idle_s=60, max_responses=10,
             responses_ttl_s=60, timeout_s=0.25,
         )  # fmt: skip
+
+
+async def test_a_snapshot_reads_an_entry_and_changes_nothing(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    """What a fork reads of its parent: where the KV lives, and how far the parent got; not a
+    turn, not a heartbeat, and the KV stays for the parent's next turn."""
+    store, _ = table
+    assert await store.snapshot("parent") is None
+    taken = await store.take("parent", "p", "t1")
+    indexed = (b"\x05" * 16, Indexed("parent", "p", 1, "http://decode-1", "ab" * 12, 256))
+    await store.record("parent", taken.conversation.epoch, 1, _held("r1"), findable=indexed)
+    for _ in range(2):
+        seen = await store.snapshot("parent")
+        assert seen is not None and seen.holder_request_id == "r1" and seen.recorded_turn == 1
+        assert (seen.turns, seen.heartbeats, seen.held_digest_tokens) == (1, 0, 256)
+    assert await store.implicit.match([indexed[0]]) == indexed[1]
+    again = await store.take("parent", "p", "t2")
+    assert again.turn == 2 and again.conversation.holder_request_id == "r1"
