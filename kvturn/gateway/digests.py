@@ -15,7 +15,8 @@ Matching only finds the conversation; it never decides what KV is reused. Every 
 exact token ids (decode's prefix cache hashes them, prefill's pull checks the holder's digests),
 so a false match, an edited message or a reply the client reformatted costs reuse, never an
 answer. Two requests that extend the same turn (branches) both find it; the first takes its KV,
-the other recomputes or reuses what still matches. Digests are seeded with the caller's tenant,
+the other reads it on its decode without taking it (:mod:`kvturn.gateway.turns.sharing`), or
+reuses what still matches, or recomputes. Digests are seeded with the caller's tenant,
 the model and the request's ``cache_salt``, so tenants (and differently salted requests) never
 match each other's turns.
 

@@ -17,8 +17,9 @@ loop in process):
 
 - :meth:`~ConversationTable.take`: a turn starts. The entry's retained KV comes off the table
   for this turn alone (decode frees retained blocks after one read, so two parallel turns on
-  two replicas must never both pull them: the second finds nothing and recomputes), and the
-  turn gets its sequence number.
+  two replicas must never both pull them: the second finds nothing to take, and at most reads
+  the KV on its decode, :mod:`kvturn.gateway.turns.sharing`), and the turn gets its sequence
+  number.
 - :meth:`~ConversationTable.record`: a turn's reply is over and its holder published the KV.
   Recorded only if no newer turn of the conversation recorded already (fencing by sequence
   number) and the entry is the one the turn started in (not one released and made anew since);

@@ -135,7 +135,7 @@ class ReuseStep:
             self.context.metrics.fallbacks_by[plan.reason].inc()
             return Reuse(plan)
         # The table gave this turn alone the KV (decode frees retained blocks after one read:
-        # a parallel turn of the same conversation found nothing and recomputes).
+        # a parallel turn of the same conversation found nothing to take; see .sharing).
         key = conversation.holder_request_id
         digest_tokens = conversation.held_digest_tokens
         if holder is None or holder.control_url is None or not key:
