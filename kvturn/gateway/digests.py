@@ -110,6 +110,14 @@ def extend(digest: bytes, message: dict[str, Any]) -> bytes:
     return h.digest()
 
 
+def prompt_key(digest: bytes) -> bytes:
+    """What a turn of a conversation with an id is indexed by (:mod:`.turns.sharing`): the
+    digest of its messages alone, set apart from every digest of messages (an implicit
+    conversation's turns are indexed by their messages plus reply), so that a request without
+    an id never continues a named conversation, and no reply need be rebuilt from a stream."""
+    return hashlib.blake2b(digest, digest_size=_DIGEST_SIZE, person=b"kvturn-prompt").digest()
+
+
 def salt_digest(cache_salt: object) -> bytes | None:
     """What a conversation keeps of a request's ``cache_salt``: 8 bytes, or ``None``."""
     if cache_salt is None:

@@ -152,3 +152,20 @@ def test_turns_with_an_id_are_indexed_for_their_forks_unless_sharing_is_off(
         _recorded(store, scoped_key("", "s"), 1)
         time.sleep(0.1)  # the record indexes in the same step; nothing comes after it
         assert store.implicit.size() == (1 if shared else 0), response.headers
+
+
+def test_a_request_without_id_never_continues_a_named_conversation(fake_url: str) -> None:
+    """A named conversation's turns are indexed apart (by their messages alone): a request
+    without an id that extends one is a conversation of its own, and the named one's KV
+    stays where it was, for its own next turn."""
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        store = gateway.app.state.gateway.store
+        key = scoped_key("", "named")
+        messages = [{"role": "user", "content": "plan the trip"}]
+        first = _post(gateway.url, messages, **{"X-Conversation-Id": "named"})
+        _recorded(store, key, 1)
+        held = store.peek(key).holder_request_id
+        anonymous = _post(gateway.url, [*messages, _reply(first), {"role": "user", "content": "?"}])
+        assert anonymous.headers["x-conversation-id"].startswith("implicit-")
+        assert (store.peek(key).turns, store.peek(key).holder_request_id) == (1, held)

@@ -137,6 +137,7 @@ class Decoder:
             prefilled,
             turn.salt,
             decode_url=instance.url,
+            prompt_digest=turn.prompt_digest,
             # Marked after the reply, off the response path, if anything is retained.
             marks=turn if keep and self.context.limits.enabled else None,
         )

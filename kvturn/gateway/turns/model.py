@@ -45,9 +45,12 @@ class Turn:
     pause: tuple[str, float] | None = None
     #: The caller's tenant (``""`` on an open gateway): conversations are its own.
     tenant: str = ""
-    #: The digest of a chat turn's messages, which its reply extends into the key the
-    #: conversation's next turn, or a fork of it, is found by (``None``: not indexed).
+    #: For a turn of an implicit conversation: the digest of its messages, which its reply
+    #: extends into the key the next turn (or a fork) is found by.
     implicit: bytes | None = None
+    #: For a chat turn of a conversation with an id: the digest of its messages, which its
+    #: forks find it by (:func:`~kvturn.gateway.digests.prompt_key`; ``None``: not indexed).
+    prompt_digest: bytes | None = None
     #: Another turn's KV this turn's prompt starts with, which it may read without taking
     #: it (:class:`Source`; found by :meth:`~.reuse.ReuseStep.find_source`).
     source: Source | None = None

@@ -57,7 +57,7 @@ class ReuseStep:
                 key = scoped_key(turn.tenant, turn.conversation_id)
                 named = key, turn.conversation_id, False
                 if self.context.config.shared_prefixes:
-                    turn.implicit = indexed_digest(turn)  # forks of it find it
+                    turn.prompt_digest = indexed_digest(turn)  # forks of it find it
             elif self.context.config.implicit_conversations:
                 named = await self.implicit_conversation(turn)
             if named is not None:
@@ -71,13 +71,13 @@ class ReuseStep:
                     taken = await self.context.store.take(
                         key, conversation_id, turn.turn_id, wait_s
                     )
-            if taken is not None and turn.source is None and turn.implicit is not None:
+            if taken is not None and turn.source is None:
                 await self.sharing.find_source(turn, taken.conversation)
         except StateUnavailable:
             # Nothing is known, nothing will be recorded: the turn recomputes and its decode
             # keeps no KV (no conversation to lease it to).
             turn.state_unavailable = True
-            turn.implicit = None
+            turn.implicit = turn.prompt_digest = None
             turn.source = None
         else:
             if taken is not None and taken.retry:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from kvturn.gateway.digests import extend
+from kvturn.gateway.digests import extend, prompt_key
 from kvturn.gateway.errors import StateUnavailable
 from kvturn.gateway.extension import BOUNDARY_TOKENS, prompt_mark
 from kvturn.gateway.pools import Instance
@@ -49,14 +49,17 @@ class After:
     request_id: str
     #: ``decode-local``: the lease the new one supersedes on the same decode.
     supersedes: str | None
-    #: The digest of the turn's messages (the reply extends it into what the turn is
-    #: indexed by: :attr:`~.model.Turn.implicit`), and that reply.
+    #: An implicit conversation's turn: the digest of its messages (the reply extends it into
+    #: what the turn is indexed by: :attr:`~.model.Turn.implicit`), and that reply.
     implicit: bytes | None
     #: What prefill said of the turn: its prompt tokens (what the next turn's prompt starts
     #: with, unedited), known once prefill answered (a push turn's, after decode started).
     prefilled: PrefillResult
     #: The turn's cache salt (digest): the next turn reuses its KV only under the same.
     salt: bytes | None = None
+    #: A named conversation's turn: the digest of its messages (what its forks find it by,
+    #: with where its KV stays: :func:`~kvturn.gateway.digests.prompt_key`).
+    prompt_digest: bytes | None = None
     reply: dict[str, Any] | None = None
     target_control_url: str | None = None
     #: The decode engine the turn went to.
@@ -145,13 +148,14 @@ class Settlement:
         taken, holder, request_id = after.taken, after.holder, after.request_id
         assert taken is not None
         held: Held | None = None
-        # The conversation's next turn (an implicit one's), or a fork of it, finds it by this
-        # turn's messages and reply. The record indexes it by them, in the same step, with
-        # where the turn's KV stays: a next turn that comes first finds it by an older turn's
-        # (a prefix of its messages too) and waits for the record, if the reply was marked;
-        # or it finds the conversation only once its KV is recorded. A new conversation has no
-        # older turn: if its record may take a while (a marked reply), it is indexed now, by
-        # the call that makes and marks its entry, and again by its record.
+        # An implicit conversation's next turn, or a fork of it, finds it by this turn's
+        # messages and reply (a named one's forks, by its messages: :meth:`findable`). The
+        # record indexes it by them, in the same step, with where the turn's KV stays: a next
+        # turn that comes first finds it by an older turn's (a prefix of its messages too) and
+        # waits for the record, if the reply was marked; or it finds the conversation only
+        # once its KV is recorded. A new conversation has no older turn: if its record may
+        # take a while (a marked reply), it is indexed now, by the call that makes and marks
+        # its entry, and again by its record.
         findable = self.findable(after, taken, None)
         try:
             if after.marked and taken.fresh and (holder is not None or findable is not None):
@@ -227,12 +231,10 @@ class Settlement:
 
     @staticmethod
     def findable(after: After, taken: Taken, held: Held | None) -> tuple[bytes, Indexed] | None:
-        """The conversation's next turn (or a fork of it) starts with this turn's messages and
-        reply: the digest of them, and what to index under it (with ``held``, where the
-        turn's KV stays)."""
-        if after.implicit is None or after.reply is None:
-            return None
-        digest = extend(after.implicit, after.reply)
+        """What the conversation's next turn or a fork of it finds this turn by, and what to
+        index under it (with ``held``, where the turn's KV stays): an implicit conversation's
+        turn by its messages and reply (that is how its next turn finds it at all); a named
+        conversation's by its messages alone, once its KV is known (only forks look)."""
         conversation = taken.conversation
         indexed = Indexed(conversation.key, conversation.conversation_id, taken.turn)
         if held is not None and held.held_digest is not None:
@@ -244,7 +246,11 @@ class Settlement:
                 held.held_digest,
                 held.held_digest_tokens,
             )
-        return digest, indexed
+        if after.implicit is not None and after.reply is not None:
+            return extend(after.implicit, after.reply), indexed
+        if after.prompt_digest is not None and indexed.digest is not None:
+            return prompt_key(after.prompt_digest), indexed
+        return None
 
     async def count_after(self, prefilled: PrefillResult, decode_url: str) -> None:
         """Count an uncounted turn's prompt now that its reply is over: for the metrics and

@@ -4,8 +4,9 @@ the prefix cache of the decode holding it, never taking it.
 - **Forks and subagents.** A request whose messages extend a recent turn of another
   conversation (a subagent started from its parent's context under an id of its own, or none),
   or an older turn of a conversation that has moved on, finds that turn in the index
-  (:mod:`kvturn.gateway.state.implicit`: every chat turn is indexed by its messages and reply,
-  with where its KV stayed and the digest of its verified prompt prefix). Where that
+  (:mod:`kvturn.gateway.state.implicit`, with where its KV stayed and the digest of its
+  verified prompt prefix: a named conversation's turns by their messages,
+  :func:`~kvturn.gateway.digests.prompt_key`; an implicit one's by messages and reply). Where that
   conversation still leases KV that extends the turn, the request is served ``decode-local``
   on that decode; the parent keeps its lease, and the fork's turn gets one of its own.
 - **Parallel turns.** Two turns of one conversation in flight at once (parallel tool-call
@@ -26,6 +27,7 @@ import os
 import time
 from typing import Any, Literal
 
+from kvturn.gateway.digests import prompt_key
 from kvturn.gateway.errors import NoHealthyEngine
 from kvturn.gateway.planner import SharedInputs, choose_shared
 from kvturn.gateway.state.implicit import Indexed
@@ -51,8 +53,10 @@ class Sharing:
         conversation's turn, one read of its entry)."""
         if conversation.holder_url is not None or not self.context.config.shared_prefixes:
             return
-        ends = reply_ends(turn)
-        found = await self.context.store.implicit.match(ends) if ends else None
+        if indexed_digest(turn) is None:
+            return
+        candidates = shared_candidates(turn)
+        found = await self.context.store.implicit.match(candidates) if candidates else None
         if found is None:
             return
         if found.key != conversation.key:
@@ -147,6 +151,22 @@ def indexed_digest(turn: Turn) -> bytes | None:
     if (turn.body.get("n") or 1) != 1:
         return None
     return turn.message_digests()[-1]
+
+
+def shared_candidates(turn: Turn) -> list[bytes]:
+    """What a turn's forkable prefixes are indexed by, shortest first: before each reply in
+    its messages, the prompt that reply answered (a named conversation's turn,
+    :func:`~kvturn.gateway.digests.prompt_key`) and that prompt with the reply (an implicit
+    one's)."""
+    messages = turn.body.get("messages") or []
+    digests = turn.message_digests()
+    found: list[bytes] = []
+    for i, message in enumerate(messages):
+        if is_reply(message):
+            if i:
+                found.append(prompt_key(digests[i - 1]))
+            found.append(digests[i])
+    return found
 
 
 def reply_ends(turn: Turn) -> list[bytes]:
