@@ -384,3 +384,26 @@ async def test_a_snapshot_reads_an_entry_and_changes_nothing(
     assert await store.implicit.match([indexed[0]]) == indexed[1]
     again = await store.take("parent", "p", "t2")
     assert again.turn == 2 and again.conversation.holder_request_id == "r1"
+
+
+async def test_a_take_after_an_older_turn_takes_nothing(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    """A request without an id that extends turn 1 of a conversation that recorded turn 2 is
+    a fork: nothing is taken or counted, and it learns where the KV is now."""
+    store, _ = table
+    first = await store.take("c", "conv", "t1")
+    await store.record("c", first.conversation.epoch, 1, _held("r1"))
+    second = await store.take("c", "conv", "t2", after_turn=1)
+    assert not second.moved_on and second.turn == 2
+    await store.record("c", second.conversation.epoch, 2, _held("r2"))
+    fork = await store.take("c", "conv", "t3", after_turn=1)
+    assert fork.moved_on and fork.conversation.holder_request_id == "r2"
+    assert fork.conversation.recorded_turn == 2
+    entry = await store.snapshot("c")
+    assert entry is not None and (entry.turns, entry.holder_request_id) == (2, "r2")
+    assert entry.last_turn_id == "t2"
+    # The parent's own next turn extends turn 2: it takes the KV.
+    third = await store.take("c", "conv", "t3", after_turn=2)
+    assert not third.moved_on and third.turn == 3
+    assert third.conversation.holder_request_id == "r2"

@@ -106,6 +106,9 @@ class Taken:
     retry: bool
     #: The entry is not in the table yet (:func:`fresh_turn`): the turn's first write makes it.
     fresh: bool = False
+    #: Nothing was taken: the conversation recorded a turn newer than the one the request
+    #: extends (``after_turn`` of :meth:`ConversationTable.take`); the entry as it is.
+    moved_on: bool = False
 
 
 def fresh_turn(key: str, conversation_id: str) -> Taken:
@@ -144,11 +147,18 @@ class ConversationTable(Protocol):
     clock: Callable[[], float]
 
     async def take(
-        self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
+        self,
+        key: str,
+        conversation_id: str,
+        turn_id: str | None,
+        wait_s: float = 0.0,
+        after_turn: int | None = None,
     ) -> Taken:
         """Start a turn (making the entry if there is none); its KV comes off the table. While
         the previous turn's KV location is being recorded, wait for it first (up to
-        ``wait_s``: a record that never comes, from a gateway that died, is not waited for)."""
+        ``wait_s``: a record that never comes, from a gateway that died, is not waited for).
+        ``after_turn``: the request extends that turn; if the conversation has recorded a
+        newer one since, take nothing (:attr:`Taken.moved_on`: a fork, not a next turn)."""
         ...
 
     @property
@@ -196,7 +206,7 @@ class ConversationTable(Protocol):
 
     async def snapshot(self, key: str) -> Conversation | None:
         """The entry as it is, read only: nothing counted, taken or kept alive (a fork reads
-        where its parent's KV lives)."""
+        where another conversation's KV lives)."""
         ...
 
     async def renewed(self, key: str, request_id: str, expires_in_s: float | None) -> float:

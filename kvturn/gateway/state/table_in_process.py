@@ -32,13 +32,21 @@ class ConversationStore:
         return True
 
     async def take(
-        self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
+        self,
+        key: str,
+        conversation_id: str,
+        turn_id: str | None,
+        wait_s: float = 0.0,
+        after_turn: int | None = None,
     ) -> Taken:
         found = self._items.get(key)
         event = found.settling if found is not None else None
         if event is not None and wait_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), wait_s)
+        found = self._items.get(key)
+        if after_turn is not None and found is not None and found.recorded_turn > after_turn:
+            return Taken(dataclasses.replace(found, settling=None), 0, False, moved_on=True)
         conversation = self.get_or_create(key, conversation_id)
         retry = self.note_turn(conversation, turn_id)
         conversation.turns += 1

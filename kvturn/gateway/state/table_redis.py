@@ -69,7 +69,12 @@ class RedisConversations:
         return self._redis.reachable
 
     async def take(
-        self, key: str, conversation_id: str, turn_id: str | None, wait_s: float = 0.0
+        self,
+        key: str,
+        conversation_id: str,
+        turn_id: str | None,
+        wait_s: float = 0.0,
+        after_turn: int | None = None,
     ) -> Taken:
         # One round trip unless a reply is being recorded: then poll until it is, for up to
         # ``wait_s``. A reply is marked as it starts, so the mark may be as old as the reply
@@ -81,13 +86,16 @@ class RedisConversations:
         while True:
             waiting = wait_s > 0 and time.monotonic() < deadline
             window = self.ttl_ms / 1000 if waiting else ""
-            args = (conversation_id, turn_id or "", self.clock(), self.ttl_ms, epoch, window)
+            after = "" if after_turn is None else after_turn
+            args = (conversation_id, turn_id or "", self.clock(), self.ttl_ms, epoch, window, after)
             raw = await self._call("take", self._take, keys, args)
             if len(raw) != 2 or _text(raw[0]) != "settling":
                 break
             await asyncio.sleep(self.settle_poll_s)
         fields = _pairs(raw)
         conversation = _conversation(key, fields)
+        if fields.get("moved") == "1":
+            return Taken(conversation, 0, False, moved_on=True)
         return Taken(conversation, conversation.turns, fields.get("retry") == "1")
 
     def settling(

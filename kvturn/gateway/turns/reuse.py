@@ -21,6 +21,7 @@ from kvturn.gateway.planner import (
     plan_turn,
 )
 from kvturn.gateway.pools import Instance
+from kvturn.gateway.state.implicit import Indexed
 from kvturn.gateway.state.table import Conversation, Taken, fresh_turn
 from kvturn.gateway.tokens import prompt_token_ids
 from kvturn.gateway.turns.context import TurnContext
@@ -51,27 +52,42 @@ class ReuseStep:
         with nothing of its own to reuse may find a :class:`~.model.Source` to share
         (:mod:`.sharing`)."""
         taken: Taken | None = None
+        shared_prefixes = self.context.config.shared_prefixes
         try:
-            named: tuple[str, str, bool] | None = None
+            found: Indexed | None = None
             if turn.conversation_id:
-                key = scoped_key(turn.tenant, turn.conversation_id)
-                named = key, turn.conversation_id, False
-                if self.context.config.shared_prefixes:
+                key, conversation_id = (
+                    scoped_key(turn.tenant, turn.conversation_id),
+                    turn.conversation_id,
+                )
+                if shared_prefixes:
                     turn.prompt_digest = indexed_digest(turn)  # forks of it find it
-            elif self.context.config.implicit_conversations:
-                named = await self.implicit_conversation(turn)
-            if named is not None:
-                key, conversation_id, new = named
-                if new and self.context.store.reachable:
-                    taken = fresh_turn(key, conversation_id)  # nothing to take
+            elif self.context.config.implicit_conversations and indexed_digest(turn):
+                turn.implicit = indexed_digest(turn)  # its next turn finds it
+                found = await self.implicit_conversation(turn)
+                if found is None:
+                    key, conversation_id = self.new_implicit(turn, "new")
                 else:
-                    # The previous turn's KV location may still be being recorded: wait
-                    # briefly.
-                    wait_s = self.context.config.publish_wait_s
-                    taken = await self.context.store.take(
-                        key, conversation_id, turn.turn_id, wait_s
-                    )
-            if taken is not None and turn.source is None:
+                    key, conversation_id = found.key, found.conversation_id
+            else:
+                return None
+            if turn.implicit is not None and found is None and self.context.store.reachable:
+                taken = fresh_turn(key, conversation_id)  # nothing to take
+            else:
+                # The previous turn's KV location may still be being recorded: wait briefly.
+                # An implicit turn takes the conversation only if it extends its newest turn.
+                after_turn = found.turn if found is not None and shared_prefixes else None
+                taken = await self.context.store.take(
+                    key, conversation_id, turn.turn_id, self.context.config.publish_wait_s,
+                    after_turn=after_turn or None,
+                )  # fmt: skip
+                if found is not None and taken.moved_on:
+                    # A fork of an older turn: a conversation of its own, sharing the KV.
+                    turn.source = self.sharing.source_of(turn, found, taken.conversation)
+                    taken = fresh_turn(*self.new_implicit(turn, "forked"))
+                elif found is not None:
+                    self.context.metrics.implicit_by["matched"].inc()
+            if turn.source is None:
                 await self.sharing.find_source(turn, taken.conversation)
         except StateUnavailable:
             # Nothing is known, nothing will be recorded: the turn recomputes and its decode
@@ -84,33 +100,23 @@ class ReuseStep:
                 self.context.metrics.turn_retries.inc()
         return taken
 
-    async def implicit_conversation(self, turn: Turn) -> tuple[str, str, bool] | None:
-        """The conversation (key, id) a chat request without an id continues, found by its
-        messages (see :mod:`kvturn.gateway.state.implicit`), or a new one that its next turn
-        can find (and whether it is new: a key just drawn, in no table yet). A request that
-        extends an older turn of a conversation that has moved on is a fork: a new
-        conversation, sharing the old one's KV (:mod:`.sharing`), never taking it."""
-        digest = indexed_digest(turn)
-        if digest is None:
-            return None
-        turn.implicit = digest
+    async def implicit_conversation(self, turn: Turn) -> Indexed | None:
+        """The recorded turn a chat request without an id extends, found by its messages
+        (see :mod:`kvturn.gateway.state.implicit`). Its conversation is the request's, if that
+        turn is the conversation's newest; a request that extends an older turn of a
+        conversation that has moved on is a fork (:meth:`take`): a new conversation, sharing
+        the old one's KV (:mod:`.sharing`), never taking it."""
         # Only a prefix that ends with a reply can be a recorded turn's messages plus reply: a
         # conversation's first request (no assistant message yet) is not looked up at all.
         ends = reply_ends(turn)
-        found = await self.context.store.implicit.match(ends) if ends else None
-        if found is not None:
-            entry = None
-            if self.context.config.shared_prefixes and found.turn:
-                entry = await self.context.store.snapshot(found.key)
-            if entry is None or entry.recorded_turn <= found.turn:
-                self.context.metrics.implicit_by["matched"].inc()
-                return found.key, found.conversation_id, False
-            turn.source = self.sharing.source_of(turn, found, entry)
-            self.context.metrics.implicit_by["forked"].inc()
-        else:
-            self.context.metrics.implicit_by["new"].inc()
+        return await self.context.store.implicit.match(ends) if ends else None
+
+    def new_implicit(self, turn: Turn, why: str) -> tuple[str, str]:
+        """A new implicit conversation's key and id, just drawn (``why``: a new history, or a
+        fork; counted)."""
+        self.context.metrics.implicit_by[why].inc()
         conversation_id = f"implicit-{os.urandom(12).hex()}"
-        return scoped_key(turn.tenant, conversation_id), conversation_id, True
+        return scoped_key(turn.tenant, conversation_id), conversation_id
 
     async def plan(self, turn: Turn, conversation: Conversation | None) -> Reuse:
         """Decide how this turn uses the conversation's previous KV; claim it if prefill

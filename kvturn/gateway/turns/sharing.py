@@ -60,6 +60,8 @@ class Sharing:
         if found is None:
             return
         if found.key != conversation.key:
+            # Another conversation's turn: where that conversation's KV is now (a lease that
+            # extends the turn's, or the turn's own while a newer turn takes it).
             entry = await self.context.store.snapshot(found.key)
             turn.source = self.source_of(turn, found, entry) if entry is not None else None
         elif conversation.turns - 1 > conversation.recorded_turn:

@@ -1,7 +1,9 @@
 -- A turn starts: its KV comes off the table for this turn alone, and it gets its number.
 -- KEYS: entry, live-lease index, entry index. ARGV: conversation id, turn id ('' none), now,
--- ttl ms, epoch, settle window s ('': take whatever is under way). Returns the entry as it
--- was, or {'settling', 1} (nothing changed) while a reply marked within the window records.
+-- ttl ms, epoch, settle window s ('': take whatever is under way), the turn the request
+-- extends ('': any). Returns the entry as it was, or {'settling', 1} (nothing changed) while a
+-- reply marked within the window records, or the entry and {'moved', 1} (nothing changed)
+-- where it recorded a turn newer than the one the request extends (a fork).
 -- The retained KV's fields (what a take clears): holder, rid, held, digest, dtok, salt, mark,
 -- expires.
 local h = KEYS[1]
@@ -9,6 +11,15 @@ if ARGV[6] ~= '' then
   local at = redis.call('HGET', h, 'settling_at')
   if at and tonumber(ARGV[3]) - tonumber(at) <= tonumber(ARGV[6]) then
     return {'settling', 1}
+  end
+end
+if ARGV[7] ~= '' then
+  local recorded = redis.call('HGET', h, 'recorded')
+  if recorded and tonumber(recorded) > tonumber(ARGV[7]) then
+    local entry = redis.call('HGETALL', h)
+    table.insert(entry, 'moved')
+    table.insert(entry, 1)
+    return entry
   end
 end
 if redis.call('EXISTS', h) == 0 then
