@@ -89,6 +89,10 @@ class Workload:
     tool_tokens: int = 300
     prefill_blocks: int | None = None
     decode_blocks: int | None = None
+    #: Prefill engines (1 or 2: this machine runs three engines at most).
+    prefills: int = 1
+    #: Seconds between one parent's start and the next's (0: all at once).
+    stagger_s: float = 0.0
 
 
 WORKLOADS = {
@@ -108,6 +112,19 @@ WORKLOADS = {
             decode_blocks=400,
         ),
         Workload(
+            "shared-prompt",
+            "2 prefills + 1 decode; 8 conversations of 2 turns that share a 4k-token system "
+            "prompt and nothing else, started one after another (1 s apart): each prefill "
+            "should compute the shared prompt once",
+            parents=8,
+            parent_turns=2,
+            subagents=0,
+            system_tokens=4000,
+            task_tokens=300,
+            prefills=2,
+            stagger_s=1.0,
+        ),
+        Workload(
             "smoke",
             "a check that every part runs (not a measurement)",
             parents=1,
@@ -118,7 +135,7 @@ WORKLOADS = {
         ),
     )
 }
-DEFAULT_WORKLOADS = ("roomy", "pressure")
+DEFAULT_WORKLOADS = ("roomy", "pressure", "shared-prompt")
 
 
 @dataclass
@@ -194,7 +211,7 @@ async def replay(
                                   headers.get("x-kvturn-plan"),
                                   headers.get("x-kvturn-plan-reason"), text))  # fmt: skip
             messages = [*messages, {"role": "assistant", "content": text}]
-            if forks is not None and turn + 1 == workload.fork_after:
+            if forks and turn + 1 == workload.fork_after:
                 for k in range(forks):
                     task = {"role": "user", "content": _text(local, 200, f"subagent {k} task")}
                     sub = f"{name}-sub{k}"
@@ -209,16 +226,17 @@ async def replay(
             await asyncio.sleep(workload.think_s)
         await asyncio.gather(*spawned)
 
+    async def parent(client: httpx.AsyncClient, p: int) -> None:
+        await asyncio.sleep(p * workload.stagger_s)
+        task = {"role": "user", "content": _text(rng, workload.task_tokens, f"parent {p} {seed}")}
+        session = f"p{p}-{seed}-{uuid.uuid4().hex[:6]}"
+        await agent(client, f"p{p}", [system, task], workload.parent_turns, session, False,
+                    workload.subagents)  # fmt: skip
+
     started = time.monotonic()
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await asyncio.gather(*(
-            agent(client, f"p{p}", [system, {"role": "user", "content": _text(
-                rng, workload.task_tokens, f"parent {p} task {seed}")}],
-                workload.parent_turns, f"p{p}-{seed}-{uuid.uuid4().hex[:6]}", False,
-                workload.subagents)
-            for p in range(workload.parents)
-        ))  # fmt: skip
+        await asyncio.gather(*(parent(client, p) for p in range(workload.parents)))
     return times, time.monotonic() - started
 
 
@@ -241,7 +259,7 @@ def summary(times: list[TurnTime], job_s: float) -> dict[str, Any]:
 
 def run_workload(workload: Workload, repeats: int, seed: int, answers: bool) -> dict[str, Any]:
     up_args = [
-        "--no-retain-untracked",
+        "--no-retain-untracked", "--prefill", str(workload.prefills),
         *(["--prefill-kv-blocks", str(workload.prefill_blocks)] if workload.prefill_blocks else []),
     ]  # fmt: skip
     runs: list[dict[str, Any]] = []
@@ -267,13 +285,19 @@ def run_workload(workload: Workload, repeats: int, seed: int, answers: bool) -> 
                 run_seed = seed + 100 * repeat + MODES.index(mode)
                 wait_idle(engines)
                 before, plans_before = engine_counters(engines), gateway_plans(gateway)
+                each_before = {url: engine_counters([url]) for url in state["prefill"]}
                 times, job_s = asyncio.run(replay(workload, urls[mode], model, run_seed))
                 wait_idle(engines)
                 after, plans_after = engine_counters(engines), gateway_plans(gateway)
+                each = {
+                    url: {k: v - each_before[url][k] for k, v in engine_counters([url]).items()}
+                    for url in state["prefill"]
+                }
                 run = {
                     "workload": workload.name, "mode": mode, "repeat": repeat, "seed": run_seed,
                     **summary(times, job_s),
                     "tokens": {k: after[k] - before[k] for k in after},
+                    "prefills": each,
                     "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
                               if v - plans_before.get(k, 0.0)},
                 }  # fmt: skip
@@ -298,13 +322,15 @@ def run_workload(workload: Workload, repeats: int, seed: int, answers: bool) -> 
 
 
 def _ratio(kv: list[float], base: list[float]) -> str:
-    ratios = [k / b for k in kv for b in base if b]
+    ratios = [k / b for k in kv for b in base if b and k == k and b == b]
     if not ratios:
         return "n/a"
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _ms(values: list[float]) -> str:
+    if any(v != v for v in values):  # NaN: nothing of the kind ran
+        return "-"
     low, high = min(values) * 1000, max(values) * 1000
     return f"{statistics.median(values) * 1000:.0f} ({low:.0f}-{high:.0f})"
 
@@ -314,7 +340,8 @@ def report(results: list[dict[str, Any]], command: str) -> str:
         "# Subagent fan-out: kvturn beside vLLM P/D as deployed",
         "",
         f"`{command}` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, this machine (2 CPU cores), "
-        "tiny model, 1 prefill + 1 decode, prefill's prefix cache on in both modes. Values: "
+        "tiny model, 1 prefill (2 where said) + 1 decode, prefill's prefix cache on in both "
+        "modes. Values: "
         "median (min-max) over the repeats; ratios kvturn / vllm-pd as the median over every "
         "kvturn run against every vllm-pd run (range in brackets).",
         "",
@@ -343,6 +370,20 @@ def report(results: list[dict[str, Any]], command: str) -> str:
                 f"| {statistics.median(t['cached'] for t in tokens):,.0f} "
                 f"| {statistics.median(t['received'] for t in tokens):,.0f} |"
             )
+        if w["prefills"] > 1:
+            lines += ["", "Prompt tokens each prefill computed / served from its prefix cache "
+                      f"(median over the repeats; the shared prompt is {w['system_tokens']:,} "
+                      "tokens):", "", "| mode | " + " | ".join(
+                          f"prefill {i + 1}" for i in range(w["prefills"])) + " |",
+                      "|---|" + "---|" * w["prefills"]]  # fmt: skip
+            for mode, runs in by_mode.items():
+                cells = []
+                for url in sorted(runs[0]["prefills"]) if runs else []:
+                    computed = statistics.median(r["prefills"][url]["computed"] for r in runs)
+                    cached = statistics.median(r["prefills"][url]["cached"] for r in runs)
+                    cells.append(f"{computed:,.0f} / {cached:,.0f}")
+                if cells:
+                    lines.append(f"| {mode} | " + " | ".join(cells) + " |")
         kv, base = by_mode["kvturn"], by_mode["vllm-pd"]
         if kv and base:
             lines += ["", "| kvturn / vllm-pd | ratio |", "|---|---|"]
@@ -354,7 +395,8 @@ def report(results: list[dict[str, Any]], command: str) -> str:
                     f"| {label} | {_ratio([r[key] for r in kv], [r[key] for r in base])} |"
                 )
             plans = sorted({p for r in kv for p in r["fork_plans"]})
-            lines += ["", f"kvturn's plans for subagents' first turns: {', '.join(plans)}."]
+            if plans:
+                lines += ["", f"kvturn's plans for subagents' first turns: {', '.join(plans)}."]
         if result["answers"]:
             a = result["answers"]
             lines += ["", f"Answers (one more run of each mode, one seed, greedy): {a['equal']} "
