@@ -81,6 +81,9 @@ class GatewayConfig:
     #: Request body bytes held at once (being read or served), all connections together;
     #: past it, new bodies get a 503 (parsing one costs several times its size in memory).
     body_budget_bytes: int = 64 * 1024 * 1024
+    #: Of which one tenant (one API key's, or the callers' without a key) may hold at once
+    #: (429 past it): no tenant can take the whole budget from the others.
+    caller_body_budget_bytes: int = 32 * 1024 * 1024
     #: A request (head and body) must arrive whole this soon after its first byte, or it
     #: gets a 408 and its connection is closed (a client trickling it holds nothing long).
     read_timeout_s: float = 60.0
@@ -183,7 +186,8 @@ class GatewayConfig:
         typed: dict[str, Callable[[str], object]] = {
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
             "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
-            "max_body_bytes": int, "body_budget_bytes": int, "read_timeout_s": float,
+            "max_body_bytes": int, "body_budget_bytes": int, "caller_body_budget_bytes": int,
+            "read_timeout_s": float,
             "max_connections": int,
             "connect_timeout_s": float,
             "request_timeout_s": float, "max_stream_s": float,

@@ -42,6 +42,14 @@ class ServerBusy(GatewayError):
     code = "server_busy"
 
 
+class TooManyRequests(GatewayError):
+    """One caller holds more of the gateway than its share; retrying shortly will work."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class NoHealthyEngine(GatewayError):
     status = 503
     type = "server_error"

@@ -28,6 +28,7 @@ from typing import IO, Any
 import uvloop
 from starlette.applications import Starlette
 
+from kvturn.gateway.api.authenticate import head_admission
 from kvturn.gateway.app import create_app
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http.server import HttpServer, ServerLimits
@@ -51,8 +52,10 @@ def server_limits(config: GatewayConfig) -> ServerLimits:
     return ServerLimits(
         max_body_bytes=config.max_body_bytes,
         body_budget_bytes=config.body_budget_bytes,
+        caller_body_budget_bytes=config.caller_body_budget_bytes,
         read_timeout_s=config.read_timeout_s,
         max_connections=config.max_connections,
+        admit=head_admission(config.api_keys, config.operator_keys, config.guard_metrics),
     )
 
 

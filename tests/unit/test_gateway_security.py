@@ -330,6 +330,93 @@ def test_request_bodies_held_at_once_are_bounded(fake_url: str) -> None:
         assert server_state.config.body_budget_bytes == int(2.5 * mib)
 
 
+def test_no_caller_without_a_key_or_with_one_can_take_the_body_budget(fake_url: str) -> None:
+    """Issue #39, case 1: two connections that sent 32 MiB of body with no key and stalled
+    made 59 of 61 legitimate turns fail with 503 for 60 s. A request is authenticated from its
+    head: without a valid key its body is never held (it is read and dropped, and the 401
+    comes as always); and each tenant may hold a share of the budget (429 past it), so one
+    tenant's stalled bodies leave the others theirs."""
+    import socket
+
+    mib = 1024 * 1024
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]),
+        decode=endpoints([fake_url], [fake_url]),
+        api_keys=ApiKeys([(KEY_A, "alpha"), (KEY_B, "beta")]),
+        max_body_bytes=2 * mib,
+        body_budget_bytes=5 * mib,  # two callers' shares, and room for the others
+        caller_body_budget_bytes=2 * mib,
+    )
+
+    def stall(key: str | None, path: str = "/v1/chat/completions") -> socket.socket:
+        """A body of almost 2 MiB, all but its last byte sent, then silence."""
+        raw = socket.create_connection((gateway.host, gateway.port))
+        auth = f"authorization: Bearer {key}\r\n".encode() if key else b""
+        raw.sendall(
+            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {2 * mib - 10}\r\n".encode()
+            + auth + b"content-type: application/json\r\n\r\n" + b" " * (2 * mib - 11)
+        )  # fmt: skip
+        return raw
+
+    with running_gateway(config) as gateway:
+        http_server = gateway.server
+        assert http_server is not None
+        alpha = _client(gateway, KEY_A)
+        attackers = [stall(None), stall(None), stall("wrong-key"), stall(None, "/tokenize")]
+        attackers += [stall(KEY_B), stall(KEY_B)]
+        time.sleep(0.5)
+        # No key: nothing held, but for the one body on a path that needs no key (the share of
+        # callers without one); tenant beta holds at most its share.
+        assert http_server.budget.by_caller.get("beta", 0) <= 2 * mib
+        assert http_server.budget.held <= 2 * mib + 2 * mib
+        for _ in range(5):
+            assert _turn(alpha, "alpha-during-the-attack")  # served, with its plan
+        # Beta's second stalled body went past its share: answered 429 (the SDKs retry it).
+        answers = []
+        for raw in attackers[-2:]:
+            raw.settimeout(0.5)
+            try:
+                answers.append(raw.recv(100).split(b" ", 2)[1])
+            except TimeoutError:
+                answers.append(b"")
+        assert sorted(answers) == [b"", b"429"], answers
+        for raw in attackers:
+            raw.close()
+        beta = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEY_B}"},
+            json={"model": "fake", "messages": MESSAGES},
+        )
+        assert beta.status_code == 200
+        deadline = time.monotonic() + 10
+        while http_server.body_bytes_held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http_server.body_bytes_held == 0 and http_server.budget.by_caller == {}
+        # Without a key the answer is still vLLM's 401, its body read and dropped.
+        refused = httpx.post(gateway.url + "/v1/chat/completions", content=b"x" * 100_000)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_callers_bodies_past_its_share_get_a_429(fake_url: str) -> None:
+    mib = 1024 * 1024
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]),
+        decode=endpoints([fake_url], [fake_url]),
+        api_keys=ApiKeys([(KEY_A, "alpha")]),
+        caller_body_budget_bytes=mib,
+    )
+    with running_gateway(config) as gateway:
+        padding = [{"role": "user", "content": "x" * (mib + 10)}]
+        over = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEY_A}"},
+            json={"model": "fake", "messages": padding},
+        )
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["code"] == "rate_limit_exceeded"
+
+
 @pytest.mark.parametrize("field", ["conversation_id", "prompt_cache_key"])
 def test_a_conversation_id_that_would_split_the_reply_head_is_refused(
     open_gateway: str, field: str

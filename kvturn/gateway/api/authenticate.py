@@ -3,6 +3,7 @@ callers' routes (vLLM's ``--api-key`` scope), an operator's key on the operators
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvturn.gateway.api.error_responses import error_response
@@ -55,3 +56,51 @@ class Authenticate:
                     await error_response(error)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+#: The share of the body budget of callers without a key, where the gateway has keys (on the
+#: paths that need none: ``/tokenize``, ``/detokenize``): one share among the tenants'.
+ANONYMOUS = "\0anonymous"
+
+
+def head_admission(
+    keys: ApiKeys, operator_keys: OperatorKeys | None = None, guard_metrics: bool = False
+) -> Callable[[str, str, list[tuple[bytes, bytes]]], GatewayError | str | None]:
+    """What the gateway's own HTTP server asks of every request's head before it reads a byte
+    of its body (:attr:`~kvturn.gateway.http.connection.ServerLimits.admit`): the same checks
+    as :class:`Authenticate` (which still runs, and is what other ASGI servers have), so that
+    a request with no valid key never holds body budget, and the tenant whose share of it the
+    body takes. An open gateway has one caller: its budget is the server's."""
+    operators = operator_keys or OperatorKeys()
+    operator_paths = OPERATOR_PATHS | ({METRICS_PATH} if guard_metrics else set())
+
+    def admit(
+        method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> GatewayError | str | None:
+        if keys.open or method == "OPTIONS":
+            return None
+        authorization = None
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+        try:
+            if path.startswith(CALLER_PREFIXES):
+                return keys.tenant(authorization)
+            if path in operator_paths:
+                if operators.configured:
+                    operators.check(authorization)
+                else:
+                    keys.tenant(authorization)
+                return ANONYMOUS
+        except GatewayError as error:
+            return error
+        # A path that needs no key: a body with a valid key takes its tenant's share, any
+        # other the share of callers without one.
+        if authorization is not None:
+            try:
+                return keys.tenant(authorization)
+            except GatewayError:
+                pass
+        return ANONYMOUS
+
+    return admit

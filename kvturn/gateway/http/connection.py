@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 import httptools
 import orjson
 
 from kvturn.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, ServerBusy
+from kvturn.gateway.http.budget import BodyBudget
 from kvturn.gateway.http.exchange import ASGIApp, ReplyWriter, Request, serve_asgi
 
 logger = logging.getLogger("kvturn.gateway")
@@ -22,6 +25,10 @@ logger = logging.getLogger("kvturn.gateway")
 _MAX_PIPELINED = 16  # parsed requests queued per connection before reading pauses
 _WRITE_HIGH_WATER = 256 * 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+#: What a request's head says about it, before its body is read (:attr:`ServerLimits.admit`).
+Admit = Callable[[str, str, list[tuple[bytes, bytes]]], GatewayError | str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,13 @@ class ServerLimits:
     read_timeout_s: float = 60.0
     #: Open connections at once; past it, a new one gets a 503 and is closed.
     max_connections: int = 4096
+    #: Request body bytes one caller (one key of :attr:`admit`'s) may hold at once (429 past
+    #: it), so that no caller can take the whole budget from the others.
+    caller_body_budget_bytes: int = 32 * 1024 * 1024
+    #: Asked of every request's head before a byte of its body is read: (method, path,
+    #: headers) → an error to refuse it with (an unknown API key: its body is never read),
+    #: the caller whose share of the body budget it takes, or ``None`` (the budget alone).
+    admit: Admit | None = None
 
 
 class ConnectionHost(Protocol):
@@ -52,8 +66,8 @@ class ConnectionHost(Protocol):
     #: The connection cap in force (``limits.max_connections``, or less: see the server).
     max_connections: int
     connections: set[Connection]
-    #: Request body bytes read and not yet served, on every connection.
-    body_bytes_held: int
+    #: Request body bytes read and not yet served, on every connection, and by caller.
+    budget: BodyBudget
     stopping: bool
 
 
@@ -79,6 +93,10 @@ class Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        #: The caller the body being read counts against (:attr:`ServerLimits.admit`); or its
+        #: bytes so far, dropped as they come (refused from its head; ``None``: not dropped).
+        self._budget_key: str | None = None
+        self._dropped: int | None = None
         #: A request's head is being read (httptools buffers it until it is whole), the raw
         #: bytes it has taken so far, and whether it began in the chunk being parsed.
         self._in_head = False
@@ -116,14 +134,11 @@ class Connection(asyncio.Protocol):
             self.gone.set_result(None)
         # Bodies that will never be served leave the budget now (the one being served, if
         # any, leaves it when its worker finishes).
-        self._release(self._body_bytes)
+        self.host.budget.give_back(self._budget_key, self._body_bytes)
         self._body_bytes = 0
         for request in self.pending:
-            self._release(request.held)
+            self.host.budget.give_back(request.budget_key, request.held)
             request.held = 0
-
-    def _release(self, size: int) -> None:
-        self.host.body_bytes_held -= size
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -162,6 +177,7 @@ class Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body = []
         self._body_bytes = 0
+        self._budget_key = self._dropped = None
 
     def on_url(self, url: bytes) -> None:
         self._request.url += url
@@ -189,6 +205,13 @@ class Connection(asyncio.Protocol):
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_continue = True
+        verdict = admission(self.limits, request)
+        if isinstance(verdict, GatewayError):
+            # Refused from its head (an unknown key): not a byte of its body is held. It is
+            # read and dropped, and the app, which makes the same check, answers it.
+            self._dropped = 0
+        else:
+            self._budget_key = verdict
         if expect_continue:
             if not self.busy and not self.pending:
                 self.transport.write(_CONTINUE)
@@ -200,15 +223,20 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.refused:
             return
+        if self._dropped is not None:
+            self._dropped += len(body)
+            if self._dropped > self.limits.max_body_bytes:
+                self._refuse(413, f"request body is larger than {self.limits.max_body_bytes}")
+            return
         self._body_bytes += len(body)
-        self.host.body_bytes_held += len(body)
+        over = self.host.budget.take(self._budget_key, len(body))
         if self._body_bytes > self.limits.max_body_bytes:
             self._refuse(413, f"request body is larger than {self.limits.max_body_bytes}")
             return
-        if self.host.body_bytes_held > self.limits.body_budget_bytes:
-            # Bodies being read or served, all connections together, are bounded: past the
-            # budget a request is turned away (503: the SDKs retry it), not buffered.
-            self._refuse(503, "the gateway is holding too many request bodies; retry shortly")
+        if over is not None:
+            # Bodies being read or served are bounded, one caller's and all together: past
+            # either a request is turned away (429 or 503: the SDKs retry both), not buffered.
+            self._refuse(over)
             return
         self._body.append(body)
 
@@ -219,6 +247,7 @@ class Connection(asyncio.Protocol):
         request = self._request
         request.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request.held, self._body_bytes = self._body_bytes, 0
+        request.budget_key = self._budget_key
         self._queue(request)
 
     # -- requests in, replies out -------------------------------------------------------------
@@ -228,16 +257,18 @@ class Connection(asyncio.Protocol):
         if self._head_bytes > self.limits.max_head_bytes and not self.refused:
             self._refuse(431, f"request head is larger than {self.limits.max_head_bytes} bytes")
 
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer ``status`` after the replies already queued, then close: the rest of
-        what the client sent cannot be trusted to start a request."""
+    def _refuse(self, error: GatewayError | int, message: str = "") -> None:
+        """Answer ``error`` (or a ``status`` and ``message``: :func:`refusal`) after the
+        replies already queued, then close: the rest of what the client sent cannot be
+        trusted to start a request."""
+        error = refusal(error, message) if isinstance(error, int) else error
         self.refused = True
-        self._release(self._body_bytes)
+        self.host.budget.give_back(self._budget_key, self._body_bytes)
         self._body_bytes = 0
         self.transport.pause_reading()
         request = Request()
         request.keep_alive = False
-        request.refusal = (status, message)
+        request.refusal = error
         self._queue(request)
 
     def _queue(self, request: Request) -> None:
@@ -259,7 +290,7 @@ class Connection(asyncio.Protocol):
                     request.keep_alive = False
                 finally:
                     self.busy = False
-                    self._release(request.held)
+                    self.host.budget.give_back(request.budget_key, request.held)
                     request.held = 0
                 if not request.keep_alive or self.host.stopping:
                     self.transport.close()
@@ -277,15 +308,8 @@ class Connection(asyncio.Protocol):
 
     async def _serve(self, request: Request) -> None:
         if request.refusal is not None:
-            status, message = request.refusal
-            error: GatewayError = (
-                BodyTooLarge(message)
-                if status == 413
-                else ServerBusy(message)
-                if status == 503
-                else InvalidRequest(message)
-            )
-            self.writer.write_json(request, status, orjson.dumps(error.body()))
+            error = request.refusal
+            self.writer.write_json(request, error.status, orjson.dumps(error.body()))
             return
         if request.method != "POST":
             await serve_asgi(self.host.serving, request, self.writer, self.gone, self.addresses)
@@ -353,3 +377,24 @@ def _address(value: Any) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return str(value[0]), int(value[1])
     return None
+
+
+def refusal(status: int, message: str) -> GatewayError:
+    """The error a request refused while it was read gets (``status``: 4xx or 503)."""
+    error: GatewayError = (
+        BodyTooLarge(message)
+        if status == 413
+        else ServerBusy(message)
+        if status == 503
+        else InvalidRequest(message)
+    )
+    error.status = status
+    return error
+
+
+def admission(limits: ServerLimits, request: Request) -> GatewayError | str | None:
+    """What :attr:`ServerLimits.admit` says of a request from its head (``None`` without it)."""
+    if limits.admit is None:
+        return None
+    path = unquote(request.url.split(b"?", 1)[0].decode("latin-1"))
+    return limits.admit(request.method, path, request.headers)

@@ -16,7 +16,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from kvturn.gateway.errors import error_body
+from kvturn.gateway.errors import GatewayError, error_body
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -90,7 +90,10 @@ def _frame(body: bytes, more: bool) -> bytes:
 class Request:
     """A request read off a connection, whole (or refused while it was being read)."""
 
-    __slots__ = ("body", "headers", "held", "keep_alive", "method", "refusal", "url", "version")
+    __slots__ = (
+        "body", "budget_key", "headers", "held", "keep_alive", "method", "refusal", "url",
+        "version",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.method = ""
@@ -99,10 +102,12 @@ class Request:
         self.body = b""
         self.keep_alive = True
         self.version = "1.1"
-        #: (status, message) when the request was refused while it was being read
-        self.refusal: tuple[int, str] | None = None
-        #: Body bytes counted against the server's budget until the request is served.
+        #: The error it was refused with while it was being read.
+        self.refusal: GatewayError | None = None
+        #: Body bytes counted against the server's budget until the request is served, and
+        #: the caller's share they count against (``None``: the server's budget alone).
         self.held = 0
+        self.budget_key: str | None = None
 
 
 class ReplyWriter:

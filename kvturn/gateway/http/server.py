@@ -48,6 +48,7 @@ import resource
 
 from asgi_lifespan import LifespanManager
 
+from kvturn.gateway.http.budget import BodyBudget
 from kvturn.gateway.http.connection import Connection, ServerLimits
 from kvturn.gateway.http.exchange import ASGIApp
 
@@ -98,12 +99,18 @@ class HttpServer:
         #: than the process's file descriptors allow, less what the gateway needs for its own
         #: engine and state connections: past that, every new connection would fail.
         self.max_connections = _connection_cap(self.limits.max_connections)
-        #: Request body bytes read and not yet served, on every connection.
-        self.body_bytes_held = 0
+        #: Request body bytes read and not yet served, on every connection, and by caller.
+        self.budget = BodyBudget(
+            self.limits.body_budget_bytes, self.limits.caller_body_budget_bytes
+        )
         self.connections: set[Connection] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
         self.loop: asyncio.AbstractEventLoop  # set by start()
+
+    @property
+    def body_bytes_held(self) -> int:
+        return self.budget.held
 
     async def start(self) -> None:
         """Run the app's lifespan start-up (the gateway's engine client, health checks),

@@ -17,6 +17,10 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "max_conversations": (int, "conversations remembered at once (LRU beyond)"),
     "max_body_bytes": (int, "largest request body accepted"),
     "body_budget_bytes": (int, "request body bytes held at once, all connections (503 past it)"),
+    "caller_body_budget_bytes": (
+        int,
+        "of which one tenant (or the callers without a key) may hold at once (429 past it)",
+    ),
     "read_timeout_s": (float, "a request must arrive whole this soon, seconds (else 408)"),
     "max_connections": (int, "client connections open at once (503 past it)"),
     "connect_timeout_s": (float, "engine connect timeout, seconds"),
