@@ -407,3 +407,32 @@ async def test_a_take_after_an_older_turn_takes_nothing(
     third = await store.take("c", "conv", "t3", after_turn=2)
     assert not third.moved_on and third.turn == 3
     assert third.conversation.holder_request_id == "r2"
+
+
+async def test_the_live_count_is_the_entries_whose_lease_has_not_lapsed() -> None:
+    """Kept as leases come and go (no scan of the table per scrape): after any mix of records,
+    renewals, takes, releases, evictions and lapses, it equals a count of the table."""
+    import random
+
+    clock = Clock()
+    store = ConversationStore(max_conversations=50, clock=clock)
+    rng = random.Random(7)
+    for step in range(3000):
+        key = f"k{rng.randrange(80)}"
+        action = rng.randrange(6)
+        if action == 0:
+            taken = await store.take(key, key, None)
+            await store.record(key, taken.conversation.epoch, taken.turn, _held(f"r{step}",
+                               lease_s=rng.uniform(0.5, 20)))  # fmt: skip
+        elif action == 1 and store.peek(key) is not None:
+            await store.renewed(key, store.peek(key).holder_request_id or "", rng.choice(
+                [None, rng.uniform(0.5, 20)]))  # fmt: skip
+        elif action == 2:
+            await store.remove(key)
+        elif action == 3:
+            clock.now += rng.uniform(0, 2)
+        elif action == 4:
+            store.sweep(idle_s=5, budget=3)
+        entries, live = await store.counts()
+        brute = sum(1 for c in store._items.values() if c.lease_expires_at > clock.now)
+        assert (entries, live) == (len(store), brute), step

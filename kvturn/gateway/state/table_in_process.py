@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,6 +25,11 @@ class ConversationStore:
         self._max = max_conversations
         self.clock = clock
         self.implicit: ImplicitIndex = ImplicitIndex(max_conversations)
+        #: Leases by when they lapse, so that a scrape counts the live ones in amortised O(1),
+        #: whatever the table's size: each entry's current expiry, and a heap of every expiry
+        #: set (stale ones are skipped as they come off it).
+        self._expiry: dict[str, float] = {}
+        self._lapsing: list[tuple[float, str]] = []
 
     # ---- the table interface ----------------------------------------------------------------
 
@@ -125,21 +131,39 @@ class ConversationStore:
         return self.renew(conversation, expires_in_s)
 
     async def remove(self, key: str) -> Conversation | None:
+        self._forget(key)
         return self._items.pop(key, None)
 
     async def counts(self) -> tuple[int, int]:
-        return len(self._items), await self.live_count()
+        return len(self._items), self.live_count()
 
-    async def live_count(self, chunk: int = 10_000) -> int:
-        """O(table), so it lets turns run every ``chunk`` entries instead of stalling them for
-        the whole table (about 0.6 s at a million)."""
+    def live_count(self) -> int:
+        """Entries whose lease has not lapsed: those lapsed since the last count come off the
+        heap (amortised O(1) a change; a scrape once took O(table), 0.35 s at 100k)."""
         now = self.clock()
-        entries = list(self._items.values())
-        live = 0
-        for start in range(0, len(entries), chunk):
-            live += sum(1 for c in entries[start : start + chunk] if c.lease_expires_at > now)
-            await asyncio.sleep(0)
-        return live
+        lapsing, expiry = self._lapsing, self._expiry
+        while lapsing and lapsing[0][0] <= now:
+            at, key = heapq.heappop(lapsing)
+            if expiry.get(key) == at:
+                del expiry[key]
+        return len(expiry)
+
+    def _expires(self, conversation: Conversation, at: float) -> None:
+        """Set when ``conversation``'s lease lapses (0: it has none), and track it."""
+        conversation.lease_expires_at = at
+        if at > 0:
+            self._expiry[conversation.key] = at
+            heapq.heappush(self._lapsing, (at, conversation.key))
+            if len(self._lapsing) > 2 * len(self._expiry) + 1024:
+                # Renewals leave stale expiries behind: rebuilt, the heap stays O(live).
+                self._lapsing = [(t, k) for k, t in self._expiry.items()]
+                heapq.heapify(self._lapsing)
+        else:
+            self._expiry.pop(conversation.key, None)
+
+    def _forget(self, key: str) -> None:
+        """An entry left the table (released, evicted or swept)."""
+        self._expiry.pop(key, None)
 
     def sweep(self, idle_s: float, budget: int) -> int:
         """Forget, least recently used first, entries with no live KV that nothing has touched
@@ -155,7 +179,7 @@ class ConversationStore:
                 or now - conversation.last_seen < idle_s
             ):
                 break
-            self._items.popitem(last=False)
+            self._forget(self._items.popitem(last=False)[0])
             forgotten += 1
         return forgotten
 
@@ -200,7 +224,7 @@ class ConversationStore:
             conversation = Conversation(key, conversation_id or key, last_seen=self.clock())
             self._items[key] = conversation
             while len(self._items) > self._max:
-                self._items.popitem(last=False)
+                self._forget(self._items.popitem(last=False)[0])
         return conversation
 
     def record_retained(
@@ -224,7 +248,7 @@ class ConversationStore:
         conversation.held_digest_tokens = held_digest_tokens if held_digest else 0
         conversation.held_salt = held_salt
         conversation.held_prompt_mark = held_prompt_mark
-        conversation.lease_expires_at = now + lease_expires_in_s
+        self._expires(conversation, now + lease_expires_in_s)
         conversation.last_seen = now
 
     def note_turn(self, conversation: Conversation, turn_id: str | None) -> bool:
@@ -243,7 +267,7 @@ class ConversationStore:
         conversation.held_digest_tokens = 0
         conversation.held_salt = None
         conversation.held_prompt_mark = None
-        conversation.lease_expires_at = 0.0
+        self._expires(conversation, 0.0)
 
     def renew(self, conversation: Conversation, expires_in_s: float | None) -> float:
         """A heartbeat's renewal as the holder answered it (``None``: the holder has no lease
@@ -253,7 +277,7 @@ class ConversationStore:
         if expires_in_s is None:
             self.forget_kv(conversation)
             return 0.0
-        conversation.lease_expires_at = now + expires_in_s
+        self._expires(conversation, now + expires_in_s)
         return max(0.0, expires_in_s)
 
     def __len__(self) -> int:
