@@ -188,10 +188,13 @@ def test_parallel_turns_on_two_replicas_never_pull_the_same_kv(
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(_turn, local_pair, r, messages, cid, False) for r in replicas]
         results = [f.result() for f in futures]
-    plans = sorted(r.plan or "" for r in results)
-    # One took the KV; the other found nothing held and recomputed. Both answered right.
-    assert plans[1] == "recompute" and plans[0] in REUSE_PLANS, plans
-    assert [r.reason for r in results if r.plan == "recompute"] == ["nothing-held"]
+    plans = sorted((r.plan or "", r.reason or "") for r in results)
+    # One took the KV; the other found it taken by a turn still in flight and read it on the
+    # same decode without taking it (or, had the first been recorded by then, continued on
+    # its record). Never two pulls of the same lease. Both answered right.
+    assert all(plan in REUSE_PLANS for plan, _ in plans), plans
+    assert sum(plan == "pull-reuse" for plan, _ in plans) <= 1, plans
+    assert all(r.reused_tokens > 1000 for r in results), results
     _release(replicas[1], cid)
     # The turn that recorded last replaced the other's KV, which was freed on decode.
     _assert_every_lease_ended(local_pair, leases)
