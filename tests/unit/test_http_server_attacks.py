@@ -233,3 +233,59 @@ def test_the_connection_cap_stays_under_the_file_descriptor_limit(
     assert http_server._connection_cap(4096) == 1024 - http_server._FD_RESERVE
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (65536, 65536))
     assert http_server._connection_cap(4096) == 4096
+
+
+def _rest(conn: socket.socket, buffer: bytearray) -> bytes:
+    """Whatever else the connection sends until the gateway closes it (or 2 s pass)."""
+    conn.settimeout(2)
+    try:
+        while data := conn.recv(65536):
+            buffer += data
+    except TimeoutError:
+        return bytes(buffer) + b"<still open>"
+    return bytes(buffer)
+
+
+def test_an_upgrade_on_a_get_gets_one_answer(gateway: tuple[str, int]) -> None:
+    """Issue #39, case 8: ``Upgrade: websocket`` on a GET was answered 200, then with a 400
+    nobody asked for. The upgrade is ignored (HTTP allows it): one answer, then the close."""
+    with socket.create_connection(gateway, timeout=10) as conn:
+        conn.sendall(
+            b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+            b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        buffer = bytearray()
+        assert read_response(conn, buffer)[0] == 200
+        assert _rest(conn, buffer) == b""
+
+
+def test_a_pipelined_expect_continue_whose_body_came_gets_no_stray_100(
+    gateway: tuple[str, int],
+) -> None:
+    """Case 8: its body already there, a 100 after its reply was a stray response."""
+    slow = orjson.dumps({**orjson.loads(TURN), "fake_delay_ms": 300})
+    with socket.create_connection(gateway, timeout=10) as conn:
+        expecting = post(TURN, extra="expect: 100-continue\r\n")
+        conn.sendall(post(slow) + expecting)  # not waiting for the 100: the body is there
+        buffer = bytearray()
+        assert read_response(conn, buffer)[0] == 200
+        assert read_response(conn, buffer)[0] == 200
+        assert _rest(conn, buffer) == b"<still open>"  # nothing more: kept alive, idle
+
+
+def test_a_half_closed_client_still_gets_its_whole_stream(gateway: tuple[str, int]) -> None:
+    """Case 8: a client that closed its sending side (``SHUT_WR``) had the stream it was still
+    reading aborted. Once a reply has begun it goes on to its end. (Before any reply, a
+    closed side is all TCP shows of a client that left: its turn is cancelled, as Go's
+    net/http does too; see the test of a client leaving a non-streamed turn.)"""
+    # The engine ends its stream 0.5 s after its last event: the client half-closes before.
+    streamed = orjson.dumps({**orjson.loads(TURN), "stream": True, "fake_end_delay_ms": 500})
+    with socket.create_connection(gateway, timeout=10) as conn:
+        conn.sendall(post(streamed))
+        buffer = bytearray()
+        while b"\r\n\r\n" not in buffer:
+            buffer += conn.recv(65536)
+        assert buffer.startswith(b"HTTP/1.1 200")
+        conn.shutdown(socket.SHUT_WR)
+        rest = _rest(conn, buffer)
+        assert b"data: [DONE]" in rest and rest.endswith(b"\r\n0\r\n\r\n"), rest[-120:]

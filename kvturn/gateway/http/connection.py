@@ -104,8 +104,9 @@ class Connection(asyncio.Protocol):
         self._began_in_chunk = False
         #: Fires if the request being read is not whole within the read deadline.
         self.read_timer: asyncio.TimerHandle | None = None
-        #: A request read after others not yet answered expects ``100 Continue``.
-        self._continue_owed = False
+        #: A request read after others not yet answered expects ``100 Continue``; the client
+        #: sends no more (half-closed, or past an upgrade).
+        self._continue_owed = self._eof = self.replying = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -147,7 +148,12 @@ class Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported")
+            # An upgrade is ignored, as HTTP allows: its request was answered as any (or is
+            # refused, if it never ended); nothing after it is HTTP, so nothing is read.
+            if self.pending or self.busy:
+                self.refused = self._eof = True
+            else:
+                self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as error:
             self._refuse(400, f"malformed HTTP request: {error}")
         if self._in_head and not self.refused:
@@ -159,6 +165,14 @@ class Connection(asyncio.Protocol):
                 self._head_raw += len(data)
             if self._head_raw > self.limits.max_head_bytes:
                 self._refuse(431, f"request head is larger than {self.limits.max_head_bytes} bytes")
+
+    def eof_received(self) -> bool:
+        """The client closed its side. While a reply it is reading is under way (a stream),
+        that may be a half-close: the reply goes on, then the connection closes (a client
+        that is gone fails the next write). Before any reply, it is taken as the client
+        leaving: the connection closes, and with it the request's engine work."""
+        self._eof = True
+        return self.replying
 
     def pause_writing(self) -> None:
         self.writer.pause()
@@ -244,6 +258,8 @@ class Connection(asyncio.Protocol):
         self._cancel_read_timer()
         if self.refused:
             return
+        # A body that arrived whole with its head needs no 100 Continue (one owed stays unsent).
+        self._continue_owed = False
         request = self._request
         request.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request.held, self._body_bytes = self._body_bytes, 0
@@ -284,7 +300,7 @@ class Connection(asyncio.Protocol):
                 request = self.pending.popleft()
                 self.busy = True
                 try:
-                    await self._serve(request)
+                    await serve(self, request)
                 except Exception:
                     logger.exception("unexpected error serving a request; closing the connection")
                     request.keep_alive = False
@@ -292,7 +308,7 @@ class Connection(asyncio.Protocol):
                     self.busy = False
                     self.host.budget.give_back(request.budget_key, request.held)
                     request.held = 0
-                if not request.keep_alive or self.host.stopping:
+                if not request.keep_alive or self.host.stopping or (self._eof and not self.pending):
                     self.transport.close()
                     return
                 if len(self.pending) < _MAX_PIPELINED and not self.refused:
@@ -305,37 +321,6 @@ class Connection(asyncio.Protocol):
             self.worker = None
             if not self.transport.is_closing():
                 self._arm_idle_timer()
-
-    async def _serve(self, request: Request) -> None:
-        if request.refusal is not None:
-            error = request.refusal
-            self.writer.write_json(request, error.status, orjson.dumps(error.body()))
-            return
-        if request.method != "POST":
-            await serve_asgi(self.host.serving, request, self.writer, self.gone, self.addresses)
-            return
-        # The client may leave before the reply starts (a non-streamed turn waits for the
-        # whole reply): then this worker, and with it the request's engine work, is cancelled,
-        # not left to run. (A callback on the connection's end, not a task per request raced
-        # against it: 1 us instead of 22.) ASGI servers leave that to the app. Once the reply
-        # has started, the app learns of a client that left from ``receive`` and ends the reply
-        # its own way (a streamed turn's client may close as soon as it has read ``[DONE]``).
-        worker = asyncio.current_task()
-        assert worker is not None
-
-        def client_left(_: object) -> None:
-            worker.cancel()
-
-        def reply_started() -> None:
-            self.gone.remove_done_callback(client_left)
-
-        self.gone.add_done_callback(client_left)
-        try:
-            await serve_asgi(
-                self.host.serving, request, self.writer, self.gone, self.addresses, reply_started
-            )
-        finally:
-            self.gone.remove_done_callback(client_left)
 
     # -- idle connections ---------------------------------------------------------------------
 
@@ -398,3 +383,37 @@ def admission(limits: ServerLimits, request: Request) -> GatewayError | str | No
         return None
     path = unquote(request.url.split(b"?", 1)[0].decode("latin-1"))
     return limits.admit(request.method, path, request.headers)
+
+
+async def serve(connection: Connection, request: Request) -> None:
+    """Serve one request of ``connection``: its refusal, or the app's answer."""
+    connection.replying = False
+    if request.refusal is not None:
+        error = request.refusal
+        connection.writer.write_json(request, error.status, orjson.dumps(error.body()))
+        return
+    app, writer, gone = connection.host.serving, connection.writer, connection.gone
+    if request.method != "POST":
+        await serve_asgi(app, request, writer, gone, connection.addresses)
+        return
+    # The client may leave before the reply starts (a non-streamed turn waits for the whole
+    # reply): then this worker, and with it the request's engine work, is cancelled, not left
+    # to run. (A callback on the connection's end, not a task per request raced against it:
+    # 1 us instead of 22.) ASGI servers leave that to the app. Once the reply has started, the
+    # app learns of a client that left from ``receive`` and ends the reply its own way (a
+    # streamed turn's client may close as soon as it has read ``[DONE]``).
+    worker = asyncio.current_task()
+    assert worker is not None
+
+    def client_left(_: object) -> None:
+        worker.cancel()
+
+    def reply_started() -> None:
+        connection.replying = True
+        gone.remove_done_callback(client_left)
+
+    gone.add_done_callback(client_left)
+    try:
+        await serve_asgi(app, request, writer, gone, connection.addresses, reply_started)
+    finally:
+        gone.remove_done_callback(client_left)
