@@ -5,8 +5,10 @@ declares.
 It runs on a daemon thread of the engine-core process (where the scheduler-side connector
 lives), on loopback by default, and serves the engine's :class:`LeaseTable`, its NIXL identity
 and (push mode, decode) its pushes' arrivals. Every route but
-:data:`~kvturn.wire.HEALTH_PATH` needs the shared secret when the engine has one; anything else
-gets 401 and changes nothing.
+:data:`~kvturn.wire.HEALTH_PATH` needs the shared secret when the engine has one, checked from
+the request's head before any body is read; anything else gets 401, changes nothing, and ends
+the connection. Connections are bounded (:data:`MAX_CONNECTIONS`) and closed when silent
+(:data:`IDLE_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -90,7 +93,7 @@ class ControlServer:
             lambda: self.pushes,
             on_expect,
         )
-        self._httpd = ThreadingHTTPServer((host, port), handler)
+        self._httpd = _BoundedServer((host, port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name="kvturn-control", daemon=True
@@ -110,6 +113,40 @@ class ControlServer:
         self._httpd.server_close()
 
 
+#: Connections served at once (a thread each, ~27 KB of memory idle: 2,000 took 53 MB); past
+#: it a new one is closed at once (the gateway's call fails, and its turn falls back). Every
+#: gateway worker keeps a pool per decode, mostly idle and closed after 3 s; a turn's calls
+#: take one at a time, the longest a reply's publication wait (up to 5 s).
+MAX_CONNECTIONS = 512
+#: A connection silent this long (mid-request, or idle between requests) is closed.
+IDLE_TIMEOUT_S = 30.0
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """:class:`ThreadingHTTPServer`, its threads bounded: 2,000 idle connections were 2,000
+    threads (+53 MB), all still open after 30 s (issue #39, case 7)."""
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def _make_handler(
     leases: LeaseTable,
     secret: bytes | None,
@@ -120,6 +157,7 @@ def _make_handler(
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = IDLE_TIMEOUT_S
 
         def do_GET(self) -> None:
             route, key, query = match_control_route(self.path)
@@ -148,8 +186,11 @@ def _make_handler(
 
         def do_POST(self) -> None:
             route, key, _ = match_control_route(self.path)
+            # The secret first, from the head: a caller without it gets no body read.
+            if not self._authorized():
+                return
             body = self._body()
-            if body is None or not self._authorized():
+            if body is None:
                 return
             if on_call is not None:
                 on_call()
@@ -182,7 +223,7 @@ def _make_handler(
 
         def do_DELETE(self) -> None:
             route, key, query = match_control_route(self.path)
-            if self._body() is None or not self._authorized():
+            if not self._authorized() or self._body() is None:
                 return
             if on_call is not None:
                 on_call()
@@ -196,11 +237,13 @@ def _make_handler(
 
         def _wait_s(self, query: dict[str, list[str]]) -> float | None:
             try:
-                wait_s = min(float(query.get(WAIT_MS_QUERY, ["0"])[0]) / 1000, _MAX_WAIT_S)
+                wait_ms = float(query.get(WAIT_MS_QUERY, ["0"])[0])
             except ValueError:
-                self._send(400, ControlError(error=f"{WAIT_MS_QUERY} must be a number"))
+                wait_ms = math.nan
+            if not math.isfinite(wait_ms):  # nan once parked a thread for good
+                self._send(400, ControlError(error=f"{WAIT_MS_QUERY} must be a finite number"))
                 return None
-            return max(wait_s, 0.0)
+            return max(min(wait_ms / 1000, _MAX_WAIT_S), 0.0)
 
         def _authorized(self) -> bool:
             if secret is None:
@@ -208,6 +251,7 @@ def _make_handler(
             given = presented_secret(self.headers.get(CONTROL_AUTH_HEADER, ""))
             if given is not None and hmac.compare_digest(given.encode(), secret):
                 return True
+            self.close_connection = True  # its body, unread, must not be taken as a request
             self._send(
                 401, ControlError(error="the kvturn control channel needs the shared secret")
             )
@@ -219,6 +263,7 @@ def _make_handler(
             except ValueError:
                 length = -1
             if length < 0 or length > _MAX_BODY:
+                self.close_connection = True  # its body, unread, must not be taken as a request
                 self._send(400, ControlError(error="bad Content-Length"))
                 return None
             raw = self.rfile.read(length) if length else b""

@@ -222,6 +222,73 @@ def test_control_channel_needs_the_secret(control: tuple[LeaseTable, str]) -> No
     assert httpx.get(f"{base}/health").json() == {"ok": True}
 
 
+def test_the_control_server_reads_no_body_before_the_secret(
+    control: tuple[LeaseTable, str],
+) -> None:
+    """Issue #39, case 7: a body was read before the secret was checked, and a refused body
+    over 64 KB was parsed as the next request on the connection."""
+    import socket
+
+    _, base = control
+    port = int(base.split(":")[2].split("/")[0])
+    smuggled = b"GET /kvturn/health HTTP/1.1\r\nhost: x\r\n\r\n"
+    for head in (
+        # No secret: 401 from the head, the body never read.
+        b"POST /kvturn/leases/r1/renew HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n",
+        # The secret, but a body over the limit: 400, and the body is not a request.
+        b"POST /kvturn/leases/r1/renew HTTP/1.1\r\nhost: x\r\nauthorization: Bearer s3cret"
+        b"\r\ncontent-length: %d\r\n\r\n",
+    ):
+        body = smuggled * (70_000 // len(smuggled) + 1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(head % len(body) + body)
+            answered = b""
+            while chunk := conn.recv(65536):
+                answered += chunk
+        assert answered.count(b"HTTP/1.") == 1, answered[:300]
+        assert answered.startswith((b"HTTP/1.0 401", b"HTTP/1.1 401", b"HTTP/1.0 400",
+                                    b"HTTP/1.1 400"))  # fmt: skip
+
+
+@pytest.mark.parametrize("wait_ms", ["nan", "inf", "-inf", "x"])
+def test_a_wait_that_is_no_finite_number_is_refused(
+    control: tuple[LeaseTable, str], wait_ms: str
+) -> None:
+    """Case 7: ``?wait_ms=nan`` parked a thread for good."""
+    _, base = control
+    auth = {"Authorization": "Bearer s3cret"}
+    got = httpx.get(f"{base}/retained/r1?wait_ms={wait_ms}", headers=auth, timeout=3)
+    assert got.status_code == 400
+
+
+def test_the_control_server_bounds_its_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 7: 2,000 idle connections were 2,000 threads, all open after 30 s. Past the cap a
+    new connection is closed at once; a silent one is closed after the idle timeout; the
+    server keeps answering."""
+    import socket
+
+    from kvturn.connector import control_server
+
+    monkeypatch.setattr(control_server, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(control_server, "IDLE_TIMEOUT_S", 1.0)
+    table = LeaseTable(time.monotonic, max_lease_s=60)
+    server = ControlServer(table, "127.0.0.1", 0, secret="s3cret").start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=3) as extra:
+            assert extra.recv(10) == b""  # closed at once, unanswered
+        time.sleep(1.5)  # the idle ones were closed
+        for conn in idle:
+            conn.settimeout(3)
+            assert conn.recv(10) == b""
+            conn.close()
+        health = httpx.get(f"http://127.0.0.1:{server.port}/kvturn/health", timeout=3)
+        assert health.json() == {"ok": True}
+    finally:
+        server.stop()
+
+
 def test_control_channel_routes(control: tuple[LeaseTable, str]) -> None:
     table, base = control
     auth = {"Authorization": "Bearer s3cret"}
