@@ -45,10 +45,31 @@ def batched_prompts(path: str, body: dict[str, Any]) -> list[Any] | None:
     return None
 
 
+#: Prompts of a non-streamed batch served at once: the rest wait their turn, so that one
+#: request never holds more than this many engine requests (a streamed batch's prompts are
+#: relayed in order, every stream open at once: bounded by ``MAX_BATCH_PROMPTS`` alone).
+BATCH_WINDOW = 32
+
+
+def windowed(
+    serving: Sequence[Coroutine[Any, Any, Reply]], window: int = BATCH_WINDOW
+) -> list[Coroutine[Any, Any, Reply]]:
+    """``serving``, at most ``window`` of them under way at once (non-streamed replies)."""
+    slots = asyncio.Semaphore(window)
+
+    async def one(work: Coroutine[Any, Any, Reply]) -> Reply:
+        async with slots:
+            return await work
+
+    return [one(work) for work in serving]
+
+
 async def serve_batch(
     serving: Sequence[Coroutine[Any, Any, Reply]], *, stream: bool, choices_per_prompt: int
 ) -> Reply:
     """Await every prompt's reply (in the batch's order) and merge them into one."""
+    if not stream:
+        serving = windowed(serving)
     replies = await asyncio.gather(*serving, return_exceptions=True)
     errors = [r for r in replies if isinstance(r, BaseException)]
     answered = [r for r in replies if isinstance(r, Reply)]

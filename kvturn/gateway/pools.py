@@ -101,6 +101,8 @@ async def check_health_forever(
             *(upstream.is_healthy(i.url) for i in instances), return_exceptions=True
         )
         for instance, ok in zip(instances, results, strict=True):
+            if ok is None:
+                continue  # not known (see Upstream.is_healthy): as it was
             alive = ok is True
             if alive != instance.healthy:
                 logger.warning(

@@ -30,6 +30,10 @@ from kvturn.gateway.errors import InvalidRequest
 _MAX_TOKENS = 2**31 - 1
 #: Choices per request; vLLM has no limit of its own, a gateway needs one.
 MAX_N = 128
+#: Prompts in one completion request: each is an engine request of its own (a prefill and a
+#: decode, :mod:`.batches`); 2,000 at once once exhausted the gateway's descriptors and
+#: starved every other caller (issue #39, case 2).
+MAX_BATCH_PROMPTS = 256
 
 #: The parts of a pydantic error location that name a union member, not a field or index.
 _TYPE_TAG = re.compile(r"^(str|int|bool|float|dict|list|literal)$|[\[\](),']")
@@ -71,9 +75,12 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: (
         StrictStr
-        | Annotated[list[StrictStr], Field(min_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
         | Annotated[list[StrictInt], Field(min_length=1)]
-        | Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[StrictInt], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
+        ]
     )
 
 

@@ -101,3 +101,39 @@ async def test_one_failed_prompt_fails_the_batch_and_closes_the_others() -> None
 
     with pytest.raises(RuntimeError):
         await serve_batch([ok(), broken()], stream=False, choices_per_prompt=1)
+
+
+async def test_a_non_streamed_batch_holds_a_window_of_engine_requests() -> None:
+    """Issue #39, case 2: 2,000 prompts opened 2,000 engine requests at once. A non-streamed
+    batch runs at most ``BATCH_WINDOW`` prompts at once, and answers in the batch's order."""
+    import asyncio
+
+    from kvturn.gateway.batches import BATCH_WINDOW
+
+    running = peak = 0
+
+    async def prompt(i: int) -> Reply:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.001 * (i % 3))
+        running -= 1
+        body = {"id": "c", "choices": [{"index": 0, "text": str(i)}], "usage": None}
+        return Reply(200, orjson.dumps(body))
+
+    reply = await serve_batch([prompt(i) for i in range(200)], stream=False, choices_per_prompt=1)
+    choices = orjson.loads(reply.body)["choices"]
+    assert [c["text"] for c in choices] == [str(i) for i in range(200)]
+    assert peak == BATCH_WINDOW
+
+
+def test_a_batch_past_the_limit_is_refused() -> None:
+    from kvturn.gateway.errors import InvalidRequest
+    from kvturn.gateway.validation import MAX_BATCH_PROMPTS, check_request
+
+    check_request("/v1/completions", {"prompt": ["a"] * MAX_BATCH_PROMPTS})
+    check_request("/v1/completions", {"prompt": list(range(10_000))})  # one prompt's token ids
+    for prompt in (["a"] * (MAX_BATCH_PROMPTS + 1), [[1]] * (MAX_BATCH_PROMPTS + 1)):
+        with pytest.raises(InvalidRequest) as refused:
+            check_request("/v1/completions", {"prompt": prompt})
+        assert refused.value.param == "prompt"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
@@ -356,3 +357,37 @@ async def test_a_slow_stream_reader_pauses_reading() -> None:
         total = len(await stream.read())
         assert total == 40 * len(big)
     await client.close()
+
+
+async def test_running_out_of_descriptors_is_the_gateways_fault_not_the_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue #39, case 2: a gateway out of file descriptors marked a healthy prefill engine
+    unhealthy, and its log blamed the engine. A connect that fails for want of this process's
+    own resources is reported as such, and says nothing of the engine's health."""
+    import asyncio
+    import errno
+
+    from kvturn.gateway.http.upstream import Upstream, UpstreamUnavailable
+
+    loop = asyncio.get_running_loop()
+
+    async def no_descriptors(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    upstream = Upstream(connect_timeout_s=1, request_timeout_s=1)
+    await upstream.start()
+    try:
+        monkeypatch.setattr(loop, "create_connection", no_descriptors)
+        with pytest.raises(UpstreamUnavailable) as failed:
+            await upstream.post_json("http://127.0.0.1:9/v1/completions", {})
+        assert failed.value.local
+        assert await upstream.is_healthy("http://127.0.0.1:9") is None  # not known
+        monkeypatch.undo()
+        # A port nobody listens on: refused, the engine's side.
+        with pytest.raises(UpstreamUnavailable) as refused:
+            await upstream.post_json("http://127.0.0.1:9/v1/completions", {})
+        assert not refused.value.local
+        assert await upstream.is_healthy("http://127.0.0.1:9") is False
+    finally:
+        await upstream.close()

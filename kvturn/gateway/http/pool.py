@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import time
 from typing import Any, Protocol
 
@@ -25,6 +26,17 @@ class PoolSettings(Protocol):
 
 class HttpError(Exception):
     """The exchange failed: no (complete) response."""
+
+
+class LocalResourceError(HttpError):
+    """This process could not open a connection for want of its own resources (file
+    descriptors, buffers, memory): no fault of the server it was for."""
+
+
+#: ``errno`` values of a failed connect that are this process's own want (EMFILE, ENFILE,
+#: ENOBUFS, ENOMEM, EADDRNOTAVAIL: out of descriptors, buffers, memory or local ports).
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+                          errno.EADDRNOTAVAIL})  # fmt: skip
 
 
 class Stale(HttpError):
@@ -248,7 +260,10 @@ class Pool:
                 self.client.connect_timeout_s,
             )
         except (OSError, TimeoutError) as error:
-            raise HttpError(f"cannot connect to {self.host}:{self.port}: {error!r}") from None
+            failure = f"cannot connect to {self.host}:{self.port}: {error!r}"
+            if isinstance(error, OSError) and error.errno in LOCAL_ERRNOS:
+                raise LocalResourceError(failure) from None
+            raise HttpError(failure) from None
         return conn
 
     def release(self, conn: Connection) -> None:

@@ -3,12 +3,17 @@ key on every request, transport failures as :class:`UpstreamUnavailable`."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from kvturn.gateway.http.client import HttpClient, HttpError, Response, StreamResponse
+from kvturn.gateway.http.pool import LocalResourceError
+
+logger = logging.getLogger("kvturn.gateway")
 
 __all__ = ["StreamResponse", "Upstream", "UpstreamResponse", "UpstreamUnavailable", "next_chunk"]
 
@@ -19,7 +24,26 @@ _JSON = {"content-type": "application/json"}
 
 
 class UpstreamUnavailable(Exception):
-    """The engine could not be reached, or broke the connection."""
+    """The engine could not be reached, or broke the connection; ``local``: for want of this
+    process's own resources (out of file descriptors...), which says nothing of the engine:
+    it must not be marked unhealthy for it (issue #39, case 2)."""
+
+    def __init__(self, message: str, *, local: bool = False):
+        super().__init__(message)
+        self.local = local
+
+
+_logged_local_at = 0.0
+
+
+def _unavailable(url: str, error: HttpError) -> UpstreamUnavailable:
+    global _logged_local_at
+    local = isinstance(error, LocalResourceError)
+    if local and time.monotonic() - _logged_local_at > 10:
+        _logged_local_at = time.monotonic()
+        logger.error("the gateway is out of its own resources (%s): requests fail; the "
+                     "engines are not at fault (logged at most every 10 s)", error)  # fmt: skip
+    return UpstreamUnavailable(f"{url}: {error}", local=local)
 
 
 class Upstream:
@@ -67,7 +91,7 @@ class Upstream:
                 "POST", url, orjson.dumps(body), self._with(headers), timeout_s=timeout_s
             )
         except HttpError as error:
-            raise UpstreamUnavailable(f"{url}: {error}") from error
+            raise _unavailable(url, error) from error
 
     async def forward(
         self, method: str, url: str, body: bytes, content_type: str | None
@@ -77,7 +101,7 @@ class Upstream:
         try:
             return await self.client.request(method, url, body or None, headers or None)
         except HttpError as error:
-            raise UpstreamUnavailable(f"{url}: {error}") from error
+            raise _unavailable(url, error) from error
 
     async def get(self, url: str, timeout_s: float | None = None) -> Response:
         try:
@@ -85,13 +109,15 @@ class Upstream:
                 "GET", url, headers=self._auth or None, timeout_s=timeout_s
             )
         except HttpError as error:
-            raise UpstreamUnavailable(f"{url}: {error}") from error
+            raise _unavailable(url, error) from error
 
-    async def is_healthy(self, url: str) -> bool:
+    async def is_healthy(self, url: str) -> bool | None:
+        """Whether the engine answers its health route (``None``: not known, this process
+        could not ask for want of its own resources)."""
         try:
             return (await self.get(f"{url}/health", timeout_s=2.0)).status == 200
-        except UpstreamUnavailable:
-            return False
+        except UpstreamUnavailable as error:
+            return None if error.local else False
 
     async def open_stream(
         self, url: str, body: Any, headers: Mapping[str, str] | None = None
@@ -100,7 +126,7 @@ class Upstream:
         try:
             return await self.client.open("POST", url, orjson.dumps(body), self._with(headers))
         except HttpError as error:
-            raise UpstreamUnavailable(f"{url}: {error}") from error
+            raise _unavailable(url, error) from error
 
     def _with(self, extra: Mapping[str, str] | None) -> Mapping[str, str]:
         """JSON content type, the engines' key, and ``extra``."""

@@ -171,7 +171,7 @@ class Decoder:
         try:
             response = await self.context.upstream.post_json(url, body, upstream_headers)
         except UpstreamUnavailable as error:
-            raise DecodeFailed(instance.url, unreachable=True) from error
+            raise DecodeFailed(instance.url, unreachable=not error.local) from error
         except asyncio.CancelledError:
             # The client left: the engine request was closed (vLLM aborts it). Free what
             # decode may keep of it, as for a stream the client left.
@@ -226,7 +226,7 @@ class Decoder:
             upstream = await self.context.upstream.open_stream(url, body, upstream_headers)
         except UpstreamUnavailable as error:
             instance.in_flight -= 1
-            raise DecodeFailed(instance.url, unreachable=True) from error
+            raise DecodeFailed(instance.url, unreachable=not error.local) from error
         if upstream.status >= 500:
             await upstream.aclose()
             instance.in_flight -= 1

@@ -59,8 +59,9 @@ class Dispatch:
                 response = await self.context.upstream.post_json(
                     instance.url + turn.path, body, turn.engine_headers(turn.engine_request_id())
                 )
-            except UpstreamUnavailable:
-                instance.healthy = False
+            except UpstreamUnavailable as error:
+                if not error.local:  # out of descriptors: not the engine's fault
+                    instance.healthy = False
                 response = None
             finally:
                 instance.in_flight -= 1

@@ -132,7 +132,7 @@ class PushDispatch:
             if decoding.done() and (decoding.exception() is not None or not streamed(decoding)):
                 return decoding.result()  # a whole reply, or decode failed: pushed again
             arrived = await watching
-            if arrived is None and not await self.context.upstream.is_healthy(decode.url):
+            if arrived is None and await self.context.upstream.is_healthy(decode.url) is False:
                 # Decode died while it waited (its stream has sent nothing yet): push again.
                 await cancel_reply(decoding)
                 raise DecodeFailed(decode.url, unreachable=True)
@@ -190,8 +190,9 @@ class PushDispatch:
                 response = await self.context.upstream.post_json(
                     prefill.url + turn.path, body, turn.engine_headers(request_id)
                 )
-        except UpstreamUnavailable:
-            prefill.healthy = False
+        except UpstreamUnavailable as error:
+            if not error.local:  # out of descriptors: not the engine's fault
+                prefill.healthy = False
             response = None
         finally:
             prefill.in_flight -= 1
