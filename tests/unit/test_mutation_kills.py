@@ -22,6 +22,7 @@ from kvturn.gateway.planner import (
     LinearCost,
     LocalLimits,
     ReuseInputs,
+    TurnPlan,
     choose_reuse,
     plan_turn,
 )
@@ -156,6 +157,21 @@ def test_the_holder_computes_as_fast_as_the_prefill_it_would_pull_for() -> None:
     assert plan.plan == "decode-local"
     # A decode serving one stream: the stall it suffers doubles the local cost, still cheaper.
     assert choose_reuse(_inputs(holder_running=1), LocalLimits(), costs).plan == "decode-local"
+
+
+def test_a_pull_through_a_fast_prefill_beats_a_slow_holder() -> None:
+    """The pull is costed on the turn's own prefill engine: one that computes fast makes the
+    pull cheaper than a holder that takes 150 ms for the same suffix (at the prefill prior's
+    speed the pull would cost more than that, and the turn would stay on the holder)."""
+    costs = CostModel()
+    _fast_prefill(costs)
+    for _ in range(40):
+        costs.observe_local("http://d", 1000, 0.15)
+    local = costs.local_seconds("http://d", 1000, "http://p")
+    assert local == pytest.approx(0.15, rel=0.05)
+    assert costs.pull_seconds("http://p", 100, 1000) * 1.25 < local
+    assert costs.pull_seconds("http://new", 100, 1000) * 1.25 > local
+    assert choose_reuse(_inputs(), LocalLimits(), costs) == TurnPlan("pull-reuse", "cheaper")
 
 
 def test_a_pull_costs_prefill_of_the_suffix_the_read_and_the_handoff() -> None:
