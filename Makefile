@@ -45,7 +45,7 @@ image-check:
 
 # Mutation testing of the planner, the conversation table, validation and auth against the unit
 # tests (mutmut; scripts/mutation.sh): fails below a 90% kill rate per module or on a survivor
-# not listed in benchmarks/results/mutation.md. Not part of `make test`: a fresh run takes tens of
+# not listed in benchmarks/results/mutation.md. Not part of `make test`: a fresh run takes about 11
 # minutes on 2 cores; later runs retest only the functions that changed.
 mutation: setup
 	@scripts/mutation.sh

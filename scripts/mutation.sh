@@ -6,7 +6,7 @@
 # surviving mutant is not listed, with why it is equivalent, in benchmarks/results/mutation.md.
 #   scripts/mutation.sh            results kept in mutants/ (git-ignored): a later run retests
 #                                  only the mutants of functions that changed since
-#   scripts/mutation.sh --fresh    every mutant again (tens of minutes on 2 cores)
+#   scripts/mutation.sh --fresh    every mutant again (about 11 minutes on 2 cores)
 #   MUTATION_JOBS=2 scripts/mutation.sh   mutants tested at once (default 1), each niced
 # Never starts an engine: the unit tests run against tests/fake_engine.py.
 set -euo pipefail
