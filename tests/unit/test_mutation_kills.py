@@ -389,14 +389,13 @@ def test_every_retry_is_counted() -> None:
     assert conversation.retries == 2
 
 
-async def test_live_leases_are_counted_in_every_chunk() -> None:
+async def test_live_leases_are_counted() -> None:
     clock = _Clock()
     store = ConversationStore(10, clock=clock)
     for i in range(5):
         conversation = store.get_or_create(f"c{i}")
         if i % 2 == 0:  # c0, c2, c4 hold a live lease
             store.record_retained(conversation, "http://d", f"r{i}", 100, lease_expires_in_s=30)
-    assert await store.live_count(chunk=2) == 3
     assert await store.counts() == (5, 3)
 
 
@@ -454,13 +453,6 @@ async def test_a_lease_ending_now_is_not_live() -> None:
     store = ConversationStore(10, clock=clock)
     store.record_retained(store.get_or_create("c"), "http://d", "r1", 100, lease_expires_in_s=0)
     assert await store.counts() == (1, 0)
-
-
-async def test_counting_live_leases_yields_without_sleeping() -> None:
-    store = ConversationStore(10)
-    for i in range(3):
-        store.get_or_create(f"c{i}")
-    assert await asyncio.wait_for(store.live_count(chunk=1), 0.5) == 0
 
 
 async def test_each_heartbeat_lookup_is_counted_and_shares_no_event() -> None:
