@@ -22,8 +22,10 @@ from kvturn.gateway.planner import (
     LinearCost,
     LocalLimits,
     ReuseInputs,
+    SharedInputs,
     TurnPlan,
     choose_reuse,
+    choose_shared,
     plan_turn,
 )
 from kvturn.gateway.state.table import Conversation, Held, fresh_turn
@@ -667,3 +669,69 @@ def test_a_streamed_local_turn_claims_exactly_the_whole_blocks_it_can_reuse(
         assert second.headers["x-kvturn-plan"] == "decode-local"
         assert holder.block_size == block_size
         assert int(second.headers["x-kvturn-reused-tokens"]) == expected
+
+
+# ---- main's shared-KV plan (choose_shared) and the table's snapshot -------------------------
+
+
+class _Recording(CostModel):
+    def __init__(self, local: float, recompute: float) -> None:
+        super().__init__()
+        self.local_s, self.recompute_s = local, recompute
+        self.calls: list[tuple[Any, ...]] = []
+
+    def local_seconds(self, decode_url: str, suffix: int, prefill_url: str | None = None) -> float:
+        self.calls.append(("local", decode_url, suffix, prefill_url))
+        return self.local_s
+
+    def recompute_seconds(self, prefill_url: str, prompt: int) -> float:
+        self.calls.append(("recompute", prefill_url, prompt))
+        return self.recompute_s
+
+
+def _shared(**change: Any) -> SharedInputs:
+    values: dict[str, Any] = dict(
+        kind="fork", prompt_tokens=1100, covered_tokens=1000, holder_running=0,
+        holder_url="http://d", prefill_url="http://p",
+    )  # fmt: skip
+    values.update(change)
+    return SharedInputs(**values)
+
+
+def test_shared_kv_of_exactly_the_threshold_is_used_and_costed_on_its_engines() -> None:
+    costs = _Recording(local=0.0, recompute=1.0)
+    plan = choose_shared(_shared(), LocalLimits(), costs, threshold_tokens=1000)
+    assert plan == TurnPlan("decode-local", "fork")
+    assert costs.calls == [("local", "http://d", 100, "http://p"), ("recompute", "http://p", 1100)]
+    assert choose_shared(_shared(covered_tokens=999), LocalLimits(), costs, 1000) is None
+
+
+def test_shared_kv_suffix_and_preference_bounds() -> None:
+    one = LocalLimits(max_suffix_tokens=1)
+    cheap = _Recording(local=0.0, recompute=1.0)
+    for prompt in (1000, 1001):
+        assert choose_shared(_shared(prompt_tokens=prompt), one, cheap, 64) is not None, prompt
+    assert choose_shared(_shared(prompt_tokens=1002), one, cheap, 64) is None
+    half = LocalLimits(preference=0.5)
+    assert choose_shared(_shared(), half, _Recording(local=3.0, recompute=2.0), 64) is not None
+    assert choose_shared(_shared(), half, _Recording(local=3.5, recompute=2.0), 64) is None
+    # One stream on the holder doubles the local cost: 4.0 against 2.5 * 1.25.
+    busy = _shared(holder_running=1)
+    assert choose_shared(busy, LocalLimits(), _Recording(local=2.0, recompute=2.5), 64) is None
+    assert choose_shared(_shared(), LocalLimits(), _Recording(local=2.0, recompute=2.5), 64)
+
+
+def test_recompute_costs_prefill_of_the_prompt_and_the_handoff() -> None:
+    costs = CostModel()
+    _fast_prefill(costs)
+    prefill = costs.prefill["http://p"].predict(1000)
+    assert costs.recompute_seconds("http://p", 1000) == pytest.approx(prefill + 0.020 + 1e-3)
+
+
+async def test_a_snapshot_shares_no_event_with_the_entry() -> None:
+    store = ConversationStore(10)
+    taken = await store.take("c", "c", None)
+    store.settling("c", taken.turn)
+    copy = await store.snapshot("c")
+    assert copy is not None and copy.settling is None
+    assert store.peek("c").settling is not None  # type: ignore[union-attr]
