@@ -243,7 +243,7 @@ class LinearCost:
         spread = n * self._xx - x * x
         # Sizes that vary by 30% or more (coefficient of variation) over five turns or more: a
         # slope can be told from a fixed cost.
-        if self.observations >= 5 and spread > 0.09 * x * x:
+        if self.observations >= 5 and spread >= 0.09 * x * x:
             slope = max((n * self._xy - x * y) / spread, 0.0)
             fixed = (y - slope * x) / n
             if fixed >= 0:

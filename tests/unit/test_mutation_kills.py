@@ -275,11 +275,6 @@ def test_observations_that_agree_with_the_prior_leave_it_as_it_was() -> None:
     assert fixed == pytest.approx(0.1) and per_token == pytest.approx(1e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LinearCost._fit learns a slope only when sizes vary by MORE than 30% (spread > "
-    "0.09 x²), where its comment says '30% or more'; at exactly 30% the code keeps the prior",
-)
 def test_sizes_that_vary_by_exactly_thirty_percent_teach_a_slope() -> None:
     sizes = [11.0, 17.0, 20.0, 23.0, 29.0]  # mean 20, standard deviation 6: exactly 30%
     seconds = [0.01 + 1e-3 * tokens for tokens in sizes]
