@@ -172,7 +172,7 @@ class Connection(asyncio.Protocol):
         that is gone fails the next write). Before any reply, it is taken as the client
         leaving: the connection closes, and with it the request's engine work."""
         self._eof = True
-        return self.replying
+        return self.busy and self.replying
 
     def pause_writing(self) -> None:
         self.writer.pause()
