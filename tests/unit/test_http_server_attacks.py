@@ -289,3 +289,16 @@ def test_a_half_closed_client_still_gets_its_whole_stream(gateway: tuple[str, in
         conn.shutdown(socket.SHUT_WR)
         rest = _rest(conn, buffer)
         assert b"data: [DONE]" in rest and rest.endswith(b"\r\n0\r\n\r\n"), rest[-120:]
+
+
+def test_a_client_that_closes_between_requests_is_let_go_at_once(
+    gateway: tuple[str, int],
+) -> None:
+    """Its closed side ends the connection: it is not kept half open until the keep-alive
+    runs out."""
+    with socket.create_connection(gateway, timeout=10) as conn:
+        conn.sendall(post(TURN))
+        buffer = bytearray()
+        assert read_response(conn, buffer)[0] == 200
+        conn.shutdown(socket.SHUT_WR)
+        assert _rest(conn, buffer) == b""
