@@ -399,6 +399,8 @@ async def test_a_take_after_an_older_turn_takes_nothing(
     await store.record("c", second.conversation.epoch, 2, _held("r2"))
     fork = await store.take("c", "conv", "t3", after_turn=1)
     assert fork.moved_on and fork.conversation.holder_request_id == "r2"
+    # Nothing begun: no turn number, no retry, and (in process) not the entry's own event.
+    assert fork.turn == 0 and fork.retry is False and fork.conversation.settling is None
     assert fork.conversation.recorded_turn == 2
     entry = await store.snapshot("c")
     assert entry is not None and (entry.turns, entry.holder_request_id) == (2, "r2")
@@ -436,3 +438,21 @@ async def test_the_live_count_is_the_entries_whose_lease_has_not_lapsed() -> Non
         entries, live = await store.counts()
         brute = sum(1 for c in store._items.values() if c.lease_expires_at > clock.now)
         assert (entries, live) == (len(store), brute), step
+
+
+async def test_the_live_count_survives_renewals_and_evictions_of_live_leases() -> None:
+    """A lease renewed again and again leaves its old expiries behind (the heap is rebuilt
+    from the live ones past a bound); an entry evicted while its lease lives leaves the count."""
+    clock = Clock()
+    store = ConversationStore(max_conversations=3, clock=clock)
+    taken = await store.take("k", "k", None)
+    await store.record("k", taken.conversation.epoch, taken.turn, _held("r1", lease_s=30))
+    for step in range(3000):
+        assert await store.renewed("k", "r1", 30 + step / 1000) > 0
+    assert await store.counts() == (1, 1)
+    for key in ("a", "b", "c"):  # "k", the least recently used, is evicted, its lease live
+        turn = await store.take(key, key, None)
+        await store.record(key, turn.conversation.epoch, turn.turn, _held(f"r-{key}"))
+    assert store.peek("k") is None and await store.counts() == (3, 3)
+    clock.now += 60
+    assert await store.counts() == (3, 0)
