@@ -182,6 +182,12 @@ def _write(rows: list[tuple], args: argparse.Namespace) -> None:
         "change), scrapes read it, and idle entries leave in bounded background sweeps (2,000 "
         "a second at most). Scrape times are wall time at the client (the gateway idle, its "
         "thread in this process): the gateway's CPU for the scrape and the loopback round trip.",
+        "",
+        "No vLLM P/D baseline here: this measures how the gateway's own cost grows with its "
+        "conversation table, which vllm-router does not have (it tracks nothing per "
+        "conversation). The gateway beside vllm-router, per request, is "
+        "`benchmarks/results/gateway_overhead.md`; kvturn beside vLLM P/D with prefix caching "
+        "behind vllm-router, per turn, is `aiperf_multiturn.md` and `fanout.md`.",
     ]
     RESULTS.write_text("\n".join(lines) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
