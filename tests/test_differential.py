@@ -518,13 +518,6 @@ def test_a_stream_longer_than_the_request_timeout_completes(local_pair: LocalPai
     from kvturn.gateway.config import GatewayConfig, endpoints
     from tests.gateway_fixtures import running_gateway
 
-    config = GatewayConfig(
-        prefill=endpoints([local_pair.prefill_url]),
-        decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
-        control_secret=local_pair.control_secret,
-        # 1,500 tokens stream for about 10 s on the tiny model here; no gap comes near 3 s.
-        request_timeout_s=3.0,
-    )
     body = {
         "model": local_pair.model,
         "messages": _user("Count on and on."),
@@ -539,8 +532,18 @@ def test_a_stream_longer_than_the_request_timeout_completes(local_pair: LocalPai
     # SHM_READER_RECHECK_INTERVAL_MS). Generating, the worker spins as upstream's does; one
     # stream first makes this one start on an engine that just generated, not on an idle one:
     # the timeout of silences is this test's subject, not that hand-over.
+    started = time.monotonic()
     warm = httpx.post(local_pair.gateway_url + "/chat/completions", json=body, timeout=300)
     assert warm.status_code == 200
+    # 1,500 tokens stream for 5 to 10 s on the tiny model, depending on the machine; no gap
+    # between chunks comes near a quarter of that. The timeout follows the machine's pace, so
+    # that the stream outlives it whether the machine is fast or slow.
+    config = GatewayConfig(
+        prefill=endpoints([local_pair.prefill_url]),
+        decode=endpoints([local_pair.decode_url], [local_pair.decode_control_url]),
+        control_secret=local_pair.control_secret,
+        request_timeout_s=(time.monotonic() - started) / 4,
+    )
     with running_gateway(config) as gateway:
         started = time.monotonic()
         response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=300)
