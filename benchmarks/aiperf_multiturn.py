@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -365,12 +366,26 @@ def answers_compared(modes: tuple[str, ...], work: Path) -> dict[str, Any]:
 # ---- report ------------------------------------------------------------------------------------
 
 
+def pause_floor_s(w: dict[str, Any]) -> float:
+    """The job's floor: its think time alone. AIPerf runs a conversation's turns one after
+    another in one of ``concurrency`` slots and holds the slot through each pause (the roomy
+    workload, 16 conversations x 6 turns at concurrency 4, took 43 s: its busiest slot's 30 s
+    of pauses plus 24 turns of ~0.45 s; pauses that freed their slots would have let it end
+    in about 15 s), so the busiest slot runs ceil(conversations / concurrency) conversations,
+    each with ``turns - 1`` pauses of ``delay_ms`` on average. No deployment can finish the
+    workload faster: job ratios near 1 where this floor is most of the job say little about
+    serving; ``job - floor`` is the part the deployment spent."""
+    per_slot = math.ceil(w["conversations"] / w["concurrency"])
+    return per_slot * (w["turns"] - 1) * w["delay_ms"] / 1000
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    date = getattr(args, "date", None) or f"{datetime.now(UTC):%Y-%m-%d %H:%M}"
     lines = [
         "# kvturn beside vLLM P/D as deployed: AIPerf multi-turn",
         "",
         f"Command: `.venv/bin/python benchmarks/aiperf_multiturn.py {' '.join(args.argv)}`",
-        f"Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {os.cpu_count()} cores shared "
+        f"Date: {date} UTC; machine: {os.cpu_count()} cores shared "
         "by everything below; model: tiny (float32); AIPerf 0.13.0 (unmodified); "
         f"vllm-router 0.1.17; {args.repeats} repeat(s) per mode, interleaved.",
         "",
@@ -378,7 +393,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "the baseline's, (range of every kvturn run over every baseline run); a range that "
         "contains 1.00 is a tie. TTFT in ms; job = AIPerf's benchmark duration (s), the time "
         "the workload's agents took to finish. Tokens: prompt tokens the engines computed / "
-        "served from their own prefix cache / received over NIXL, per run (median).",
+        "served from their own prefix cache / received over NIXL, per run (median). Job "
+        "beyond the pauses = job minus the think time alone (`pause_floor_s`: the busiest "
+        "AIPerf slot's pauses at their mean), the part of the job the deployment spent.",
+        *([args.notes] if getattr(args, "notes", None) else []),
         "",
     ]
     for result in results:
@@ -420,10 +438,12 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{sum(col('errors')):.0f} |"
             )
         base = by_mode.get("vllm-pd", [])
+        floor = pause_floor_s(w)
         lines += [
             "",
-            "| kvturn / vllm-pd | TTFT p50 | TTFT p90 | TTFT mean | job |",
-            "|---|---|---|---|---|",
+            "| kvturn / vllm-pd | TTFT p50 | TTFT p90 | TTFT mean | job | job beyond the "
+            f"pauses (floor {floor:.0f} s) |",
+            "|---|---|---|---|---|---|",
         ]
         for mode in ("kvturn", "kvturn-no-id"):
             mine = by_mode.get(mode, [])
@@ -433,6 +453,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 ratio([r[k] for r in mine if r[k]], [r[k] for r in base if r[k]])
                 for k in ("ttft_p50", "ttft_p90", "ttft_avg", "job_s")
             ]
+            cells.append(
+                ratio([r["job_s"] - floor for r in mine], [r["job_s"] - floor for r in base])
+            )
             lines.append(f"| {mode} | " + " | ".join(cells) + " |")
         checked = result.get("answers")
         if checked:
@@ -461,7 +484,18 @@ def main() -> int:
         "--answers", action="store_true",
         help="after the timed runs, every mode once more on one seed: are the replies equal?",
     )  # fmt: skip
+    parser.add_argument(
+        "--render", action="store_true",
+        help="only write the .md again from the .json of an earlier run (--date, --notes)",
+    )  # fmt: skip
+    parser.add_argument("--date", help="with --render: the run's date (UTC, as in its .md)")
+    parser.add_argument("--notes", help="with --render: what the run's .md said besides")
     args = parser.parse_args()
+    if args.render:
+        results = json.loads((RESULTS / f"{args.output}.json").read_text())
+        args.argv = results[0].get("argv") or ["--answers"]
+        (RESULTS / f"{args.output}.md").write_text(report(results, args))
+        return 0
     args.argv = sys.argv[1:]
     for tool in (AIPERF_BIN, ROUTER_BIN):
         if not tool.exists():
@@ -469,6 +503,7 @@ def main() -> int:
     results = []
     for name in args.workloads.split(","):
         results.append(run_workload(WORKLOADS[name], args.repeats, args.seed, args.answers))
+        results[-1]["argv"] = args.argv
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{args.output}.json").write_text(json.dumps(results, indent=1))
         (RESULTS / f"{args.output}.md").write_text(report(results, args))
