@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from dataclasses import replace
@@ -36,6 +37,17 @@ def long_prompt(tokens: int, topic: str = "turtles") -> str:
     """Text of about ``tokens`` tokens for the tiny model (byte-level: one character each)."""
     text = f"Tell me everything about {topic}, slowly and in detail. " * (tokens // 40 + 1)
     return text[:tokens]
+
+
+def varied_prompt(tokens: int, seed: int) -> str:
+    """Like :func:`long_prompt`, but no sentence repeats: seeded random words, so that a block
+    of its KV never equals another block's, shifted or not."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < tokens:
+        words.append("".join(rng.choice(letters) for _ in range(rng.randint(2, 9))))
+    return " ".join(words)[:tokens]
 
 
 def chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from tests.engine_requests import (
     long_prompt,
     metric_total,
     single_engine_ids,
+    varied_prompt,
 )
 
 pytestmark = pytest.mark.engines
@@ -161,6 +162,52 @@ def test_prefill_pulls_only_what_the_digests_prove(local_pair: LocalPair) -> Non
     assert 0 < pulled <= common
     assert pulled % 16 == 0 and pulled > common - 32  # whole blocks, up to the divergence
     reads.wait_for(1, min_bytes=pulled * KV_BYTES_PER_TOKEN)
+
+
+def _answer_after_pull(
+    pair: LocalPair, messages: list[dict[str, str]], params: dict[str, object]
+) -> tuple[list[int], int]:
+    """16 greedy tokens of prefill's answer to ``messages`` on top of the KV it pulls with
+    ``params`` (a fresh cache salt: nothing of its own cache), and the tokens it pulled."""
+    answer = chat(
+        pair.prefill_url,
+        {"model": pair.model, "messages": messages, "max_tokens": 16, "temperature": 0,
+         "return_token_ids": True, "cache_salt": uuid.uuid4().hex,
+         "kv_transfer_params": params},
+    )  # fmt: skip
+    pulled = int(answer["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+    return list(answer["choices"][0]["token_ids"]), pulled
+
+
+def test_the_answer_tells_right_kv_from_shifted_or_foreign_kv(local_pair: LocalPair) -> None:
+    """The oracle every reuse test leans on (greedy ids equal one engine's alone) is only as
+    strong as the model's answer is sensitive to the KV under it. Prefill pulls a decode's
+    retained KV three ways, the digests always proving the prompt: as published, the same
+    blocks read one block out of place (what an off-by-one in block ids would do), and another
+    conversation's blocks (a lease mixed up). The tiny random-weight model answers as one engine
+    alone only on the right KV: for prompts of seeded random words (no block repeats another)
+    and for the repeated sentence most tests use (:func:`long_prompt`)."""
+    prompts = [varied_prompt(700, 1), varied_prompt(700, 2), long_prompt(700, "owls")]
+    for seed, prompt in enumerate(prompts, start=1):
+        messages = [{"role": "user", "content": prompt}]
+        want = single_engine_ids(local_pair.prefill_url, local_pair.model, messages, 16)
+        right, pulled = _answer_after_pull(
+            local_pair, messages, _retained_on_decode(local_pair, messages)
+        )
+        assert pulled >= 640 and right == want, (seed, pulled)
+
+        shifted = _retained_on_decode(local_pair, messages)
+        groups = shifted["remote_block_ids"]
+        assert isinstance(groups, list)
+        shifted["remote_block_ids"] = [[*g[1:], g[0]] for g in groups]
+        got, pulled = _answer_after_pull(local_pair, messages, shifted)
+        assert pulled >= 640 and got != want, (seed, "a shifted pull went unnoticed")
+
+        other = [{"role": "user", "content": varied_prompt(700, seed + 100)}]
+        foreign = _retained_on_decode(local_pair, messages)
+        foreign["remote_block_ids"] = _retained_on_decode(local_pair, other)["remote_block_ids"]
+        got, pulled = _answer_after_pull(local_pair, messages, foreign)
+        assert pulled >= 640 and got != want, (seed, "another conversation's KV went unnoticed")
 
 
 def _process_stats() -> Iterator[tuple[str, list[str]]]:

@@ -35,6 +35,35 @@ def _stop_session_pair(pair: LocalPair) -> None:
         pair.process.wait(timeout=120)
 
 
+def _decode_counters(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Each decode's (requests finished, prompt tokens its prefix cache served)."""
+    return {
+        url: (
+            metric(f"{url}/metrics", "vllm:request_success_total"),
+            metric(f"{url}/metrics", "vllm:prefix_cache_hits_total"),
+        )
+        for url in urls
+    }
+
+
+def _served_by(urls: list[str], before: dict[str, tuple[float, float]]) -> tuple[str, float]:
+    """The one decode that finished a request since ``before``, and its prefix-cache hits
+    since then (vLLM updates its counters as each step's stats come in: waited for)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = _decode_counters(urls)
+        done = [url for url in urls if now[url][0] > before[url][0]]
+        if len(done) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(done) == 1, f"decodes that finished a request: {done}"
+    url = done[0]
+    while now[url][1] == before[url][1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = _decode_counters(urls)
+    return url, now[url][1] - before[url][1]
+
+
 def test_a_conversation_reuses_on_whichever_decode_holds_it(
     local_pair: LocalPair, tmp_path: Path
 ) -> None:
@@ -99,11 +128,19 @@ def test_a_conversation_reuses_on_whichever_decode_holds_it(
                 {"role": "assistant", "content": replies[name]},
                 {"role": "user", "content": "Go on, in one line."},
             ]
+            before = _decode_counters(state["decode"])
             got = run_turn(client, model, messages, name)
             # A short suffix: the turn continues on the decode that holds the conversation.
             assert got.plan == "decode-local", name
             assert got.reused_tokens > 600, name
             assert got.token_ids == single_engine_ids(prefill, model, messages, 16), name
+            # The engines' own evidence, not the gateway's header: exactly one decode served
+            # the turn, and its prefix cache served at least what the gateway claims. The
+            # conversation's first block is unique to it (a fresh uuid), so only the decode
+            # holding it could; sent to the other decode, the turn would still answer right
+            # and the header would still claim the same.
+            served_by, hits = _served_by(state["decode"], before)
+            assert hits >= got.reused_tokens, (name, served_by, hits, got.reused_tokens)
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=120) == 0
