@@ -343,8 +343,73 @@ def test_memory_pressure_reclaims_by_expected_return(
             after = httpx.get(f"{control}/kvturn/leases", headers=local_pair.control_headers)
             assert after.json()["not_retained"] - before.json()["not_retained"] == 6
             assert after.json()["retained"] == before.json()["retained"]
+        _decode_local_under_pressure(local_pair, spec.url, control)
     finally:
         small.stop()
+
+
+def _decode_local_under_pressure(pair: LocalPair, decode_url: str, control: str) -> None:
+    """Decode-local reuse under memory pressure on the small decode: a leased conversation's
+    next turn is served from the holder's cache after more traffic than the decode holds,
+    because the lease kept its blocks; the same conversation released first (vLLM's prefix
+    cache alone then keeps its freed blocks only until newer requests need them) is served
+    from nothing there. Uncontended, vLLM's prefix cache keeps freed blocks anyway, so only
+    pressure shows the lease doing the work."""
+    config = GatewayConfig(
+        prefill=endpoints([pair.prefill_url]),
+        decode=endpoints([decode_url], [control]),
+        control_secret=pair.control_secret,
+        implicit_conversations=False,
+        lease_s=float(TEST_KV_TTL_S),
+        # On one host a pull and a local prefill cost about the same: the lease's turn must
+        # stay on its holder whatever the learned costs say (see test_planner_engines.py).
+        local_preference=1.0,
+    )
+
+    def counters() -> tuple[float, float]:
+        return (
+            metric(f"{decode_url}/metrics", "vllm:request_success_total"),
+            metric(f"{decode_url}/metrics", "vllm:prefix_cache_hits_total"),
+        )
+
+    def decode_hits(before: tuple[float, float]) -> float:
+        """Decode's prefix-cache hits since ``before``, once it finished one more request."""
+        deadline = time.monotonic() + 10
+        while counters()[0] <= before[0] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # the finishing step's stats
+        return counters()[1] - before[1]
+
+    with running_gateway(config) as gateway:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
+        histories: dict[str, list[dict[str, Any]]] = {}
+        for name in ("held", "released"):
+            messages = _opening(f"local pressure {name}", 900)
+            first = run_turn(client, pair.model, messages, name)
+            histories[name] = _next(messages, first)
+            wait_recorded(gateway, name)
+        beat = httpx.post(
+            gateway.url + "/v1/kvturn/conversations/held/heartbeat", json={"pause_kind": "tool"}
+        )
+        assert beat.json()["lease_remaining_s"] > 0
+        assert httpx.delete(gateway.url + "/v1/kvturn/conversations/released").status_code < 300
+        # More than the decode holds (about 8 blocks a conversation, 40 in all).
+        for i in range(6):
+            run_turn(client, pair.model, _opening(f"local pressure filler {i}", 900), f"f{i}")
+
+        before = counters()
+        got = run_turn(client, pair.model, histories["held"], "held")
+        assert (got.plan, got.reason) == ("decode-local", "cheaper")
+        hits = decode_hits(before)
+        assert hits >= got.reused_tokens >= 768, (hits, got.reused_tokens)
+        _assert_same_answer(pair, got, histories["held"])
+
+        before = counters()
+        got = run_turn(client, pair.model, histories["released"], "released")
+        assert got.plan == "recompute" and got.reused_tokens == 0
+        # Its history was evicted: decode took the whole prompt from prefill.
+        assert decode_hits(before) < 128, "the released history survived the pressure"
+        _assert_same_answer(pair, got, histories["released"])
 
 
 #: The longest lease of the short-lease decode below (its ``--kv-ttl``), under the gateway's
