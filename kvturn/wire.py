@@ -112,6 +112,9 @@ CONTROL_PORT_CONFIG: Final = "kvturn_control_port"
 CONTROL_HOST_CONFIG: Final = "kvturn_control_host"
 #: Whether a request no kvturn gateway sent keeps its KV for the fixed TTL (default true).
 RETAIN_UNTRACKED_CONFIG: Final = "kvturn_retain_untracked"
+#: Whether the control server may run without the shared secret, open to anyone who reaches
+#: its port (default false: without :data:`CONTROL_SECRET_ENV` the engine refuses to start).
+INSECURE_CONTROL_CONFIG: Final = "kvturn_insecure_control"
 #: How long a lease may be held by a prefill's claim (seconds, default 30).
 CLAIM_S_CONFIG: Final = "kvturn_claim_s"
 #: Free KV blocks below this fraction of the cache reclaim leases (default 0.05).

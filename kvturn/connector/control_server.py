@@ -28,9 +28,11 @@ from kvturn.connector.leases import Lease, LeaseTable
 from kvturn.wire import (
     CLAIM_ROUTE,
     CONTROL_AUTH_HEADER,
+    CONTROL_SECRET_ENV,
     EXPIRES_IN_KEY,
     HEALTH_PATH,
     IDENTITY_PATH,
+    INSECURE_CONTROL_CONFIG,
     LEASE_ROUTE,
     LEASES_PATH,
     PUSHES_ROUTE,
@@ -67,6 +69,24 @@ def lease_answer(lease: Lease, now: float) -> dict[str, Any]:
         params["remote_blocks_expiry_time"] = lease.expires_at
     params[EXPIRES_IN_KEY] = round(lease.expires_at - now, 3)
     return params
+
+
+def control_secret(secret: str | None, extra: dict[str, Any]) -> str | None:
+    """The control channel's shared secret (``secret``, from
+    :data:`~kvturn.wire.CONTROL_SECRET_ENV`). Without one, anyone who reaches the control port
+    could release or hold every lease: the engine refuses to start unless its connector config
+    says so (:data:`~kvturn.wire.INSECURE_CONTROL_CONFIG`; ``kvturn engine
+    --insecure-control``), and then warns."""
+    if secret:
+        return secret
+    if not extra.get(INSECURE_CONTROL_CONFIG):
+        raise RuntimeError(
+            f"kvturn: {CONTROL_SECRET_ENV} is not set: refusing to open the control channel to "
+            "anyone who can reach its port (set the secret the gateway shares, or "
+            f"{INSECURE_CONTROL_CONFIG}: true in kv_connector_extra_config to run it open)"
+        )
+    logger.warning("kvturn: %s is not set: the control channel is open", CONTROL_SECRET_ENV)
+    return None
 
 
 class ControlServer:

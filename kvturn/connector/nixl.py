@@ -64,7 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector,
 from vllm.v1.request import RequestStatus
 
 from kvturn.connector.block_usage import BlockUsage
-from kvturn.connector.control_server import ControlServer
+from kvturn.connector.control_server import ControlServer, control_secret
 from kvturn.connector.engine_pacing import IdlePacer, cap_worker_spin_window
 from kvturn.connector.leases import LeaseTable, publication_key
 from kvturn.connector.nixl_progress import DEFAULT_PROGRESS_DELAY_US, raise_progress_thread_delay
@@ -185,11 +185,7 @@ class KvturnConnectorBase(NixlBaseConnector):
         port = extra.get(CONTROL_PORT_CONFIG)
         if role == KVConnectorRole.SCHEDULER and port is not None:
             host = str(extra.get(CONTROL_HOST_CONFIG, "127.0.0.1"))
-            secret = os.environ.get(CONTROL_SECRET_ENV) or None
-            if secret is None:
-                logger.warning(
-                    "kvturn: %s is not set: the control channel is open", CONTROL_SECRET_ENV
-                )
+            secret = control_secret(os.environ.get(CONTROL_SECRET_ENV), extra)
             self._control = ControlServer(
                 self.leases,
                 host,

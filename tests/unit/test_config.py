@@ -443,3 +443,34 @@ def test_kvturn_engine_keeps_the_hub_reachable_for_a_model_id(tmp_path: Path) ->
         )
     )
     assert "VLLM_USE_AOT_COMPILE" not in gpu.environment({})
+
+
+def test_an_engine_without_the_control_secret_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A decode's control channel releases and holds every lease: without the shared secret
+    ``kvturn engine`` refuses to run it, unless told --insecure-control (then it warns, and the
+    connector's config says so); the connector itself refuses the same way."""
+    from kvturn.connector.control_server import control_secret
+    from kvturn.gateway.ops.cli import main
+    from kvturn.gateway.ops.engine import engine_spec
+    from kvturn.wire import CONTROL_SECRET_ENV, INSECURE_CONTROL_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    monkeypatch.delenv(CONTROL_SECRET_ENV, raising=False)
+    decode = ["engine", "--role", "decode", "--model", str(tmp_path)]
+    with pytest.raises(SystemExit, match="--insecure-control"):
+        main(decode)
+    insecure = engine_spec(build_parser().parse_args([*decode, "--insecure-control"]))
+    config = json.loads(insecure.command()[insecure.command().index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"][INSECURE_CONTROL_CONFIG] is True
+    secure = engine_spec(build_parser().parse_args(decode))
+    config = json.loads(secure.command()[secure.command().index("--kv-transfer-config") + 1])
+    assert INSECURE_CONTROL_CONFIG not in config["kv_connector_extra_config"]
+
+    with pytest.raises(RuntimeError, match=CONTROL_SECRET_ENV):
+        control_secret(None, {})
+    with pytest.raises(RuntimeError, match=CONTROL_SECRET_ENV):
+        control_secret("", {INSECURE_CONTROL_CONFIG: False})
+    assert control_secret(None, {INSECURE_CONTROL_CONFIG: True}) is None
+    assert control_secret("s3cret", {}) == "s3cret"

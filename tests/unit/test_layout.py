@@ -257,6 +257,7 @@ def test_wire_values_never_change() -> None:
         "CONTROL_PORT_CONFIG": "kvturn_control_port",
         "CONTROL_HOST_CONFIG": "kvturn_control_host",
         "RETAIN_UNTRACKED_CONFIG": "kvturn_retain_untracked",
+        "INSECURE_CONTROL_CONFIG": "kvturn_insecure_control",
         "CLAIM_S_CONFIG": "kvturn_claim_s",
         "FREE_BLOCKS_WATERMARK_CONFIG": "kvturn_free_blocks_watermark",
         "NIXL_PROGRESS_DELAY_US_CONFIG": "kvturn_nixl_progress_delay_us",

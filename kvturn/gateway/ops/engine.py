@@ -43,6 +43,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
             kv_recompute_threshold=args.recompute_threshold,
             push_registration_timeout_s=args.push_registration_timeout,
             retain_untracked=args.retain_untracked,
+            insecure_control=args.insecure_control,
         ),
         dtype=args.dtype or ("float32" if ours else "auto"),
         # A model id resolved on the engine's own host: vLLM's default length (the model's).
@@ -73,10 +74,16 @@ def cmd_engine(args: argparse.Namespace) -> int:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items())))
         print(shlex.join(argv))
         return 0
-    if spec.role == "decode" and CONTROL_SECRET_ENV not in env:
+    if spec.control_port and not env.get(CONTROL_SECRET_ENV):
+        if not args.insecure_control:
+            raise SystemExit(
+                f"kvturn engine: {CONTROL_SECRET_ENV} is not set: this engine's control channel "
+                "(lease renew/release/claim) would be open to anyone who can reach its port. "
+                "Set the secret the gateway shares, or pass --insecure-control to run it open."
+            )
         print(
-            f"kvturn engine: {CONTROL_SECRET_ENV} is not set: this decode's control channel "
-            "(lease renew/release) is open to anyone who can reach its port",
+            f"kvturn engine: {CONTROL_SECRET_ENV} is not set: this engine's control channel "
+            "(lease renew/release/claim) is open to anyone who can reach its port",
             file=sys.stderr,
         )
     if spec.cpu is not None:
@@ -140,6 +147,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )  # fmt: skip
     add_retain_untracked(eng)
     eng.add_argument("--recompute-threshold", type=int, default=64, help="min tokens to pull")
+    eng.add_argument(
+        "--insecure-control", action="store_true",
+        help=f"run the control channel without {CONTROL_SECRET_ENV} (open to anyone who can "
+        "reach its port); without the secret and this flag the engine refuses to start",
+    )  # fmt: skip
     eng.add_argument("--print", action="store_true", help="print the command, do not run it")
     eng.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then vLLM's own flags")
     eng.set_defaults(func=cmd_engine)

@@ -30,6 +30,7 @@ import httpx
 from kvturn.wire import (
     CONTROL_HOST_CONFIG,
     CONTROL_PORT_CONFIG,
+    INSECURE_CONTROL_CONFIG,
     NIXL_PROGRESS_DELAY_US_CONFIG,
     RETAIN_UNTRACKED_CONFIG,
 )
@@ -64,6 +65,9 @@ class KVSettings:
     #: engine) for ``decoder_kv_blocks_ttl_s``, as upstream's bidirectional connector does;
     #: off, such requests keep nothing, as in plain P/D.
     retain_untracked: bool = True
+    #: Let the control server run without the shared secret (open to anyone who reaches its
+    #: port); without this, an engine with a control server and no secret refuses to start.
+    insecure_control: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,8 @@ class EngineSpec:
             extra["push_registration_timeout"] = self.kv.push_registration_timeout_s
         if not self.kv.retain_untracked:
             extra[RETAIN_UNTRACKED_CONFIG] = False
+        if self.kv.insecure_control:
+            extra[INSECURE_CONTROL_CONFIG] = True
         if self.device == "cpu":
             extra[NIXL_PROGRESS_DELAY_US_CONFIG] = self.kv.nixl_progress_delay_us
         if self.control_port:
