@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from kvturn.wire import CONTROL_SECRET_ENV
 
 #: Engine ports for tests start here, away from ``kvturn up``'s default 8100.
 TEST_BASE_PORT = int(os.environ.get("KVTURN_TEST_BASE_PORT", "18100"))
@@ -90,10 +93,15 @@ REUSE_PAIR_STATE = os.environ.get("KVTURN_TEST_PAIR_STATE")
 
 @pytest.fixture(scope="session")
 def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
+    # One control secret for every engine of the session, as in a deployment: `kvturn up`
+    # takes it from the environment, and so does every extra engine a test starts (an engine
+    # with a control channel and no secret refuses to start).
     if REUSE_PAIR_STATE:
         state = json.loads(Path(REUSE_PAIR_STATE).read_text())
+        os.environ[CONTROL_SECRET_ENV] = str(state["control_secret"])
         yield LocalPair(None, state, Path(REUSE_PAIR_STATE), stopped=True)
         return
+    os.environ.setdefault(CONTROL_SECRET_ENV, secrets.token_urlsafe(32))
     work = tmp_path_factory.mktemp("engines")
     state_file = work / "state.json"
     log_path = work / "kvturn-up.log"
