@@ -97,6 +97,9 @@ MAX_LEASE_KEY: Final = "kvturn_max_lease_s"
 #: How many of the retained tokens were the turn's prompt (the rest, its reply): the prefix the
 #: next turn's prompt starts with, unedited.
 PROMPT_TOKENS_KEY: Final = "kvturn_prompt_tokens"
+#: Prefill → gateway: the prompt tokens prefill's own prefix cache served, apart from any it
+#: pulled (usage's ``cached_tokens`` counts both): what a pull actually moved is the rest.
+PREFILL_CACHED_KEY: Final = "kvturn_prefill_cached_tokens"
 #: Decode → gateway: seconds left on the lease when it was published (or served). Its deadline
 #: on the decode's own clock is vLLM's ``remote_blocks_expiry_time``.
 EXPIRES_IN_KEY: Final = "expires_in_s"

@@ -34,7 +34,7 @@ import json
 from typing import Any
 from urllib.parse import parse_qs
 
-from kvturn.wire import PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
+from kvturn.wire import PREFILL_CACHED_KEY, PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
 
 Scope = dict[str, Any]
 
@@ -56,6 +56,9 @@ FAIL_DECODE_PORTS: set[int] = set()
 FAIL_PREFILL_PORTS: set[int] = set()
 #: Ports whose prefills answer 200 but whose writes never reach decode.
 LOSE_WRITE_PORTS: set[int] = set()
+#: Prompt tokens prefill says its own prefix cache served (the connector's
+#: ``kvturn_prefill_cached_tokens``); None: it says nothing, as an older engine.
+PREFILL_OWN_CACHED: int | None = None
 #: Push mode: X-Request-Id -> whether its prefill's KV was written to decode.
 _PUSHED: dict[str, bool] = {}
 #: Push mode: X-Request-Id -> "awaiting" or "arrived", as a push decode says.
@@ -213,6 +216,10 @@ async def app(scope: Scope, receive: Any, send: Any) -> None:
             "remote_engine_id": "fake-p", "remote_request_id": "p", "remote_host": "localhost",
             "remote_port": 1, "remote_num_tokens": _PROMPT_TOKENS, "tp_size": 1,
         }  # fmt: skip
+        if PREFILL_OWN_CACHED is not None:  # as kvturn's connector reports them
+            cached = max(reused, PREFILL_OWN_CACHED)
+            answer["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
+            answer["kv_transfer_params"][PREFILL_CACHED_KEY] = PREFILL_OWN_CACHED
         await _send_json(send, 200, answer)
         return
     if scope["server"][1] in FAIL_DECODE_PORTS:
@@ -334,6 +341,8 @@ async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None
     if method == "DELETE":
         released = _RETAINED.pop(key, None) is not None
         COUNTS["releases"] = COUNTS.get("releases", 0) + released
+        if b"claimed=1" in scope.get("query_string", b""):  # the gateway's own claim ends
+            COUNTS["claims_ended"] = COUNTS.get("claims_ended", 0) + 1
         await _send_json(send, 200, {"released": released})
         return
     found = _RETAINED.get(key)

@@ -86,6 +86,7 @@ from kvturn.wire import (
     MAX_LEASE_KEY,
     NIXL_PROGRESS_DELAY_US_CONFIG,
     PAUSE_KEY,
+    PREFILL_CACHED_KEY,
     PREFIX_DIGESTS_KEY,
     PROMPT_TOKENS_KEY,
     RETAIN_UNTRACKED_CONFIG,
@@ -181,6 +182,8 @@ class KvturnConnectorBase(NixlBaseConnector):
         self._local: set[str] = set()
         # Waiting decode requests asked for their blocks this step: request id -> blocks.
         self._asked: dict[str, int] = {}
+        # Prefill requests: prompt tokens the engine's own prefix cache served, until finished.
+        self._own_cached: dict[str, int] = {}
         self._control: ControlServer | None = None
         port = extra.get(CONTROL_PORT_CONFIG)
         if role == KVConnectorRole.SCHEDULER and port is not None:
@@ -357,9 +360,13 @@ class KvturnConnector(KvturnConnectorBase, NixlConnector):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and not params.get(_CHECKED_KEY):
-            params[_CHECKED_KEY] = True
-            self._trim_to_verified_prefix(request, params)
+        if params and params.get("do_remote_decode"):
+            # What prefill's own prefix cache holds of the prompt (vLLM counts it before asking
+            # the connector): pulls read only the rest.
+            self._own_cached[request.request_id] = num_computed_tokens
+            if not params.get(_CHECKED_KEY):
+                params[_CHECKED_KEY] = True
+                self._trim_to_verified_prefix(request, params)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -437,6 +444,10 @@ class KvturnConnector(KvturnConnectorBase, NixlConnector):
             if stopped_by_server:
                 request.status = RequestStatus.FINISHED_ABORTED
         self._usage.drop(request.request_id)
+        own_cached = self._own_cached.pop(request.request_id, None)
+        if params and params.get("do_remote_prefill") and own_cached is not None:
+            # Prefill's answer: the gateway learns a pull's cost from the tokens it moved.
+            params[PREFILL_CACHED_KEY] = own_cached
         if not (delay_free and params and params.get("do_remote_decode")):
             return delay_free, params
         sent = request.kv_transfer_params or {}

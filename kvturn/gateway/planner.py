@@ -40,7 +40,8 @@ class TurnPlan:
     #: ``nothing-held``, ``state-unavailable``,
     #: ``lease-expired``, ``holder-unhealthy``, ``below-threshold``, ``lease-reclaimed``,
     #: ``kv-gone``, ``pull-failed``, ``no-common-prefix``, ``decode-failed``,
-    #: ``cache-salt-changed``.
+    #: ``cache-salt-changed``, ``prefill-cached`` (a planned pull read nothing: prefill's own
+    #: prefix cache already held what the lease did).
     #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``history-edited``,
     #: ``suffix-too-long``, ``holder-busy``, ``cheaper``. ``decode-local``: ``cheaper``;
     #: ``fork`` and ``parallel`` (the prompt starts with KV another turn holds or took, read

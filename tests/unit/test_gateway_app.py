@@ -942,3 +942,49 @@ def test_decodes_without_a_control_server_serve_plain_pd(fake_url: str) -> None:
     assert control["decode"] == 6
     for call in ("claims", "releases", "retained_asked", "woken"):
         assert control.get(call, 0) == 0, call
+
+
+@pytest.mark.parametrize("own", [None, 0, 512, "all"])
+def test_a_pull_counts_only_what_prefill_did_not_hold(
+    fake_url: str, monkeypatch: pytest.MonkeyPatch, own: int | str | None
+) -> None:
+    """Prefill's usage counts its own prefix-cache hits and the pulled tokens alike; its
+    connector says which were its own. The pull's cost is learned from what it moved, and a
+    planned pull that moved nothing (prefill already held what the lease did) is said so
+    (``recompute``/``prefill-cached``) and frees its claim at once, not when the claim times
+    out. An engine that says nothing is taken at its usage's word, as before."""
+    from tests import fake_engine
+
+    held = fake_engine._PROMPT_TOKENS - 8  # what the fake prefill reports pulling
+    monkeypatch.setattr(fake_engine, "PREFILL_OWN_CACHED", held if own == "all" else own)
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]), decode_local=False
+    )
+    with running_gateway(config) as gateway:
+        costs = gateway.app.state.gateway.runner.context.costs
+        observed: list[tuple[int, int]] = []
+        learn = costs.observe_prefill
+
+        def spy(url: str, computed: int, pulled: int, seconds: float) -> None:
+            observed.append((computed, pulled))
+            learn(url, computed, pulled, seconds)
+
+        monkeypatch.setattr(costs, "observe_prefill", spy)
+        conversation = f"own-{own}"
+        _chat(gateway.url, **{"X-Conversation-Id": conversation})
+        _recorded(gateway, conversation)
+        ended = fake_engine.COUNTS.get("claims_ended", 0)
+        second = _chat(gateway.url, **{"X-Conversation-Id": conversation})
+        assert int(second.headers["x-kvturn-reused-tokens"]) == held
+        computed = fake_engine._PROMPT_TOKENS - held  # the fake's usage: 1,000 prompt tokens
+        if own == "all":
+            assert second.headers["x-kvturn-plan"] == "recompute"
+            assert second.headers["x-kvturn-plan-reason"] == "prefill-cached"
+            assert observed[-1] == (computed, 0)  # no pull to learn from
+            _counted("claims_ended", ended, "the claim of a lease nobody read was kept")
+        else:
+            assert second.headers["x-kvturn-plan"] == "pull-reuse"
+            # Learned from the tokens the pull moved: what it reports less prefill's own.
+            assert observed[-1] == (computed, held - (own if isinstance(own, int) else 0))
+            assert costs.pull.observations == 1
+            assert fake_engine.COUNTS.get("claims_ended", 0) == ended

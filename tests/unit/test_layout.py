@@ -253,6 +253,7 @@ def test_wire_values_never_change() -> None:
         "KV_BYTES_PER_TOKEN_KEY": "kvturn_kv_bytes_per_token",
         "MAX_LEASE_KEY": "kvturn_max_lease_s",
         "PROMPT_TOKENS_KEY": "kvturn_prompt_tokens",
+        "PREFILL_CACHED_KEY": "kvturn_prefill_cached_tokens",
         "EXPIRES_IN_KEY": "expires_in_s",
         "CONTROL_PORT_CONFIG": "kvturn_control_port",
         "CONTROL_HOST_CONFIG": "kvturn_control_host",

@@ -26,6 +26,7 @@ from kvturn.gateway.turns.model import (
     status_text,
 )
 from kvturn.gateway.turns.placement import choose_prefill
+from kvturn.wire import PREFILL_CACHED_KEY
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -93,21 +94,27 @@ class Dispatch:
         usage = data.get("usage") or {}
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
         reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        # Cached tokens are prefill's own prefix-cache hits, plus what it pulled if it pulled:
-        # a turn that did not pull computed only the rest, and says nothing of a pull's cost.
-        pulled = reused if plan.pulls else 0
-        self.context.costs.observe_prefill(
-            instance.url, prompt_tokens - reused, pulled, finished - started
-        )
-        if plan.pulls and reused == 0:
-            plan = TurnPlan("recompute", "no-common-prefix")
-            self.context.metrics.fallbacks_by[plan.reason].inc()
-            if claimed is not None:
-                # Nothing was read (the prompt shares no verified prefix): free it now.
-                self.context.release_later(*claimed, claimed=True)
         decode_params = dict(data.get("kv_transfer_params") or {})
         if not decode_params:
             raise UpstreamError("prefill returned no kv_transfer_params (is it a kvturn engine?)")
+        # Cached tokens are prefill's own prefix-cache hits plus what it pulled, if it pulled;
+        # its connector says how many were its own (vLLM pulls only what its cache lacks).
+        own = decode_params.pop(PREFILL_CACHED_KEY, None)
+        pulled = 0
+        if plan.pulls:
+            pulled = max(0, reused - own) if isinstance(own, int) else reused
+        # A turn that did not pull computed only the rest, and says nothing of a pull's cost.
+        self.context.costs.observe_prefill(
+            instance.url, prompt_tokens - reused, pulled, finished - started
+        )
+        if plan.pulls and pulled == 0:
+            # Nothing was read: the prompt shares no verified prefix with the lease, or
+            # prefill's own cache already held what the lease did. Its claim is freed now, not
+            # when it times out.
+            plan = TurnPlan("recompute", "prefill-cached" if reused else "no-common-prefix")
+            self.context.metrics.fallbacks_by[plan.reason].inc()
+            if claimed is not None:
+                self.context.release_later(*claimed, claimed=True)
         decode_params["remote_host"] = instance.host
         return PrefillResult(instance, decode_params, prompt_tokens, reused, plan, finished)
 
