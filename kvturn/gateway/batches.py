@@ -158,11 +158,10 @@ class PromptWindow:
 
     def __init__(self, serving: Sequence[Coroutine[Any, Any, Reply]], window: int):
         loop = asyncio.get_running_loop()
-        #: The prompts not started yet (``None`` once started).
-        self._waiting: list[Coroutine[Any, Any, Reply] | None] = list(serving)
+        self._serving = list(serving)
         self._slots = asyncio.Semaphore(max(1, window))
         self._replies: list[asyncio.Future[Reply | BaseException]] = [
-            loop.create_future() for _ in self._waiting
+            loop.create_future() for _ in self._serving
         ]
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -185,11 +184,8 @@ class PromptWindow:
         return await self._replies[position]
 
     async def _open(self) -> None:
-        for position, work in enumerate(self._waiting):
+        for work, answer in zip(self._serving, self._replies, strict=True):
             await self._slots.acquire()
-            assert work is not None
-            self._waiting[position] = None
-            answer = self._replies[position]
             self._tasks.append(asyncio.create_task(self._serve(work, answer)))
 
     async def _serve(
@@ -217,12 +213,13 @@ class PromptWindow:
             return
         self._closed = True
         self._opener.cancel()
-        for work in self._waiting:
-            if work is not None:
-                work.close()  # never started: nothing to call off
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(self._opener, *self._tasks, return_exceptions=True)
+        for work in self._serving:
+            # A prompt never started (or whose task was called off before it ran) is closed
+            # unstarted; closing one that ran is a no-op.
+            work.close()
         for answer in self._replies:
             if answer.done() and not answer.cancelled():
                 reply = answer.result()
