@@ -9,7 +9,9 @@ vLLM hands back what the connector's ``request_finished`` returns).
 ``/metrics`` answers like one vLLM engine (vllm-router reads it at start-up to count DP ranks);
 ``/fake/counts`` says how many prefill and decode requests it served (to check a router's
 P/D routing), and how many slow streams (``fake_slow_stream``: one chunk per 20 ms) their
-reader abandoned; any other GET is a 404.
+reader abandoned; any other GET is a 404. ``in_flight`` and ``peak_in_flight`` count the
+``/v1`` POSTs (engine requests) being served at once, now and at most (a test resets the
+peak).
 
 ``/tokenize`` answers only for chats whose first message starts with ``local:`` (so the
 gateway's planner can choose ``decode-local``; every other chat plans a pull, as before): the
@@ -41,7 +43,7 @@ Scope = dict[str, Any]
 _RETAINED: dict[str, dict[str, Any]] = {}
 _THROTTLED: set[str] = set()
 _CONVERSATIONS: set[str] = set()
-COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0}
+COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0, "in_flight": 0, "peak_in_flight": 0}
 #: When set, /v1 POSTs need ``Authorization: Bearer <this>`` (as vLLM's ``--api-key``).
 REQUIRED_KEY: str | None = None
 #: The ``cache_salt`` of the last prefill and the last decode request (tenant isolation tests).
@@ -108,6 +110,19 @@ def _tool_call(name: str) -> dict[str, Any]:
 
 
 async def app(scope: Scope, receive: Any, send: Any) -> None:
+    """The engine; its ``/v1`` POSTs counted while they are served (``in_flight``)."""
+    if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1"):
+        await _serve(scope, receive, send)
+        return
+    COUNTS["in_flight"] += 1
+    COUNTS["peak_in_flight"] = max(COUNTS["peak_in_flight"], COUNTS["in_flight"])
+    try:
+        await _serve(scope, receive, send)
+    finally:
+        COUNTS["in_flight"] -= 1
+
+
+async def _serve(scope: Scope, receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
         while True:
             message = await receive()

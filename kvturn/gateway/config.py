@@ -84,6 +84,15 @@ class GatewayConfig:
     #: Of which one tenant (one API key's, or the callers' without a key) may hold at once
     #: (429 past it): no tenant can take the whole budget from the others.
     caller_body_budget_bytes: int = 32 * 1024 * 1024
+    #: Requests one tenant may have in flight at once on the turn routes (chat completions,
+    #: completions, responses; a streamed one until its stream ends); past it, a 429 with
+    #: ``Retry-After``. Twice the most any benchmark here runs at once (gateway_overhead: 256).
+    #: 0: no limit. Counted per gateway process (:mod:`.callers`).
+    caller_requests_in_flight: int = 512
+    #: Engine requests one tenant's requests may hold at once: one a turn, up to
+    #: ``BATCH_WINDOW`` a batch of prompts (fewer where fewer are left); a request that finds
+    #: none left gets a 429 with ``Retry-After``. 0: no limit. Counted per gateway process.
+    caller_engine_requests_in_flight: int = 512
     #: A request (head and body) must arrive whole this soon after its first byte, or it
     #: gets a 408 and its connection is closed (a client trickling it holds nothing long).
     read_timeout_s: float = 60.0
@@ -160,6 +169,11 @@ class GatewayConfig:
                 "push transfer needs each prefill engine's kvturn control URL (its NIXL "
                 "identity): --prefill-control or KVTURN_PREFILL_CONTROL_URLS"
             )
+        if self.caller_requests_in_flight < 0 or self.caller_engine_requests_in_flight < 0:
+            raise ValueError(
+                "caller_requests_in_flight and caller_engine_requests_in_flight must be >= 0 "
+                "(0: no limit)"
+            )
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be positive, not {self.lease_s}")
         if self.expiry_margin_s >= self.lease_s:
@@ -187,6 +201,7 @@ class GatewayConfig:
             "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
             "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
             "max_body_bytes": int, "body_budget_bytes": int, "caller_body_budget_bytes": int,
+            "caller_requests_in_flight": int, "caller_engine_requests_in_flight": int,
             "read_timeout_s": float,
             "max_connections": int,
             "connect_timeout_s": float,

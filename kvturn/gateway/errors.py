@@ -11,6 +11,8 @@ class GatewayError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    #: Seconds the client should wait before it retries (a ``Retry-After`` header), if any.
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -21,6 +23,12 @@ class GatewayError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> dict[str, str]:
+        """The reply's headers besides its content type: ``Retry-After`` where one is set."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class InvalidRequest(GatewayError):
@@ -42,12 +50,20 @@ class ServerBusy(GatewayError):
     code = "server_busy"
 
 
+#: What a 429 asks the client to wait before it retries, seconds. What a caller holds past
+#: its share (bodies being read, requests in flight) is let go as its turns end, mostly within
+#: seconds. The openai SDK for Python waits what ``Retry-After`` says (up to 2 minutes)
+#: instead of its own backoff (0.5 s, doubling, for its 2 retries by default).
+RETRY_AFTER_S = 1
+
+
 class TooManyRequests(GatewayError):
     """One caller holds more of the gateway than its share; retrying shortly will work."""
 
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+    retry_after_s = RETRY_AFTER_S
 
 
 class NoHealthyEngine(GatewayError):

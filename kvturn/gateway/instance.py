@@ -13,6 +13,7 @@ from typing import Any
 from tenacity import AsyncRetrying, retry_if_result, wait_fixed
 
 from kvturn.gateway import tracing
+from kvturn.gateway.callers import CallerLimits
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.metrics import GatewayMetrics
@@ -40,6 +41,10 @@ class Gateway:
             max_stream_s=config.max_stream_s,
         )
         self.metrics = metrics = GatewayMetrics()
+        #: What each tenant has in flight on the turn routes, and in engine requests.
+        self.callers = CallerLimits(
+            config.caller_requests_in_flight, config.caller_engine_requests_in_flight
+        )
 
         def on_state_error(op: str) -> None:
             metrics.state_errors.labels(op).inc()

@@ -68,7 +68,7 @@ class SseData:
 
 
 def error_reply(error: GatewayError) -> Reply:
-    return Reply(error.status, orjson.dumps(error.body()))
+    return Reply(error.status, orjson.dumps(error.body()), error.headers())
 
 
 async def send_reply(reply: Reply, receive: Any, send: Any) -> None:

@@ -137,3 +137,131 @@ def test_a_batch_past_the_limit_is_refused() -> None:
         with pytest.raises(InvalidRequest) as refused:
             check_request("/v1/completions", {"prompt": prompt})
         assert refused.value.param == "prompt"
+
+
+class _Opened:
+    """A prompt's stream that counts itself open (``open``) from its prompt's start until it
+    is closed."""
+
+    def __init__(self, counter: dict[str, int], *chunks: bytes):
+        self.counter = counter
+        self.inner = ChunkStream(*chunks)
+
+    @property
+    def at_end(self) -> bool:
+        return self.inner.at_end
+
+    async def next_chunk(self) -> bytes | None:
+        return await self.inner.next_chunk()
+
+    async def aclose(self) -> None:
+        self.counter["open"] -= 1
+        await self.inner.aclose()
+
+
+async def _read_all(reply: Reply) -> list[bytes]:
+    assert reply.stream is not None
+    out = b""
+    while (chunk := await reply.stream.next_chunk()) is not None:
+        out += chunk
+        if reply.stream.at_end:
+            break
+    await reply.stream.aclose()
+    return [e.removeprefix(b"data: ") for e in out.split(b"\n\n") if e]
+
+
+async def test_a_streamed_batch_holds_a_window_of_engine_requests() -> None:
+    """A streamed batch of n prompts opened n engine requests at once. Each prompt now takes
+    its place in the window before it starts and keeps it until its stream has been relayed;
+    the reply is still every prompt's chunks in the batch's order, numbered as vLLM numbers
+    them, with one usage chunk and one [DONE]."""
+    import asyncio
+
+    counter = {"open": 0, "peak": 0}
+
+    async def prompt(i: int) -> Reply:
+        counter["open"] += 1
+        counter["peak"] = max(counter["peak"], counter["open"])
+        await asyncio.sleep(0.001 * (i % 3))
+        stream = _Opened(counter, _chunk(f"p{i}", 0, str(i)), _usage(f"p{i}", 1))
+        return Reply(200, stream=stream)
+
+    reply = await serve_batch(
+        [prompt(i) for i in range(50)], stream=True, choices_per_prompt=1, window=8
+    )
+    assert reply.status == 200
+    events = await _read_all(reply)
+    assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
+    data = [orjson.loads(e) for e in events[:-1]]
+    assert [(c["index"], c["text"]) for d in data for c in d["choices"]] == [
+        (i, str(i)) for i in range(50)
+    ]
+    assert data[-1]["usage"]["prompt_tokens"] == 50
+    assert counter["peak"] == 8
+    assert counter["open"] == 0  # every prompt's stream closed
+
+
+async def test_a_prompt_failing_after_the_first_window_ends_the_stream_with_an_error() -> None:
+    """The first window's replies decide the reply's status; a prompt after it that fails
+    can only end the stream that started: an error event, then [DONE], as vLLM ends a stream
+    that failed; the prompts after it never start."""
+    started: list[int] = []
+    first = ChunkStream(_chunk("a", 0, "x"), _usage("a", 4))
+
+    async def ok() -> Reply:
+        started.append(0)
+        return Reply(200, stream=first)
+
+    async def refused() -> Reply:
+        started.append(1)
+        body = {"error": {"message": "prompt too long", "type": "BadRequestError",
+                          "param": None, "code": 400}}  # fmt: skip
+        return Reply(400, orjson.dumps(body))
+
+    async def never() -> Reply:
+        started.append(2)
+        return Reply(200, stream=ChunkStream(_chunk("c", 0, "z")))
+
+    reply = await serve_batch([ok(), refused(), never()], stream=True, choices_per_prompt=1,
+                              window=1)  # fmt: skip
+    assert reply.status == 200
+    events = await _read_all(reply)
+    assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
+    assert orjson.loads(events[0])["choices"][0]["text"] == "x"
+    assert orjson.loads(events[1])["error"]["message"] == "prompt too long"
+    assert len(events) == 3  # no usage chunk: the batch did not finish
+    assert started == [0, 1] and first.closed == 1
+
+
+async def test_a_streamed_batch_whose_client_left_calls_off_every_prompt() -> None:
+    """Closed part-way (its client left): the prompts under way are cancelled, those not
+    started never start, every stream opened is closed once, and the window's places are
+    all given back."""
+    import asyncio
+
+    counter = {"open": 0, "peak": 0}
+    cancelled: list[int] = []
+    started: list[int] = []
+
+    async def prompt(i: int) -> Reply:
+        started.append(i)
+        if i == 5:
+            try:
+                await asyncio.Event().wait()  # an engine that never answers
+            except asyncio.CancelledError:
+                cancelled.append(i)
+                raise
+        counter["open"] += 1
+        return Reply(200, stream=_Opened(counter, _chunk(f"p{i}", 0, str(i))))
+
+    reply = await serve_batch(
+        [prompt(i) for i in range(20)], stream=True, choices_per_prompt=1, window=4
+    )
+    assert reply.stream is not None
+    relayed = b""
+    while b'"text":"4"' not in relayed:  # prompts 0-3 relayed and closed: 4-7 started
+        relayed += await reply.stream.next_chunk() or b""
+    await reply.stream.aclose()
+    assert cancelled == [5]
+    assert counter["open"] == 0
+    assert sorted(started) == list(range(8))  # prompts past the window never started

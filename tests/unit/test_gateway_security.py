@@ -415,6 +415,7 @@ def test_a_callers_bodies_past_its_share_get_a_429(fake_url: str) -> None:
         )
         assert over.status_code == 429, over.text
         assert over.json()["error"]["code"] == "rate_limit_exceeded"
+        assert over.headers["retry-after"] == "1"  # the SDKs wait that long, not their backoff
 
 
 @pytest.mark.parametrize("field", ["conversation_id", "prompt_cache_key"])

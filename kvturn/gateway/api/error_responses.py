@@ -17,7 +17,10 @@ logger = logging.getLogger("kvturn.gateway")
 
 def error_response(error: GatewayError) -> Response:
     return Response(
-        orjson.dumps(error.body()), status_code=error.status, media_type="application/json"
+        orjson.dumps(error.body()),
+        status_code=error.status,
+        headers=error.headers(),
+        media_type="application/json",
     )
 
 

@@ -16,6 +16,8 @@ from kvturn import headers as h
 from kvturn.gateway import tracing
 from kvturn.gateway.api.authenticate import TENANT_SCOPE_KEY
 from kvturn.gateway.auth import tenant_salt
+from kvturn.gateway.batches import BATCH_WINDOW, batched_prompts
+from kvturn.gateway.callers import Admission
 from kvturn.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest
 from kvturn.gateway.instance import Gateway
 from kvturn.gateway.metrics import GatewayMetrics
@@ -59,19 +61,27 @@ class TurnEndpoint:
         # One trace per turn (when tracing is on), until its reply is sent.
         span = tracing.start_turn(self.gateway.tracer, scope["path"], scope["headers"])
         status, headers = 500, {}
+        admitted: Admission | None = None
         try:
             with tracing.current(span):
                 try:
+                    # Within its tenant's share of requests in flight, or refused before its
+                    # body is read (:mod:`~kvturn.gateway.callers`).
+                    admitted = self.gateway.callers.admit(scope[TENANT_SCOPE_KEY])
                     body = await _read_body(receive, self.gateway.config.max_body_bytes)
                 except GatewayError as error:
                     reply = error_reply(error)
                 else:
                     reply = await serve_turn(
-                        self.gateway, scope["path"], scope["headers"], body, scope[TENANT_SCOPE_KEY]
+                        self.gateway, scope["path"], scope["headers"], body, admitted
                     )
                 status, headers = reply.status, reply.headers
                 await send_reply(reply, receive, send)
         finally:
+            # The reply is whole (a stream relayed to its end), failed, or its client left
+            # (this task cancelled): the request leaves its tenant's count in every case.
+            if admitted is not None:
+                admitted.release()
             tracing.end_turn(span, status, headers)
 
 
@@ -80,10 +90,12 @@ async def serve_turn(
     path: str,
     raw_headers: Iterable[tuple[bytes, bytes]],
     raw_body: bytes,
-    tenant: str,
+    admitted: Admission,
 ) -> Reply:
     """One request to a turn endpoint (``path`` in ``TURN_PATHS``) by an authenticated
-    ``tenant``. ``raw_headers`` as ASGI gives them (lower-case names, bytes)."""
+    tenant, admitted within its limits (``admitted``). ``raw_headers`` as ASGI gives them
+    (lower-case names, bytes)."""
+    tenant = admitted.tenant
     headers: dict[str, str] = {}
     for name, value in raw_headers:
         wanted = _TURN_HEADERS.get(name)
@@ -96,6 +108,10 @@ async def serve_turn(
         # the engine's to judge: prefill refuses a bad request before any work, with vLLM's
         # own error, which the client gets unchanged.
         body = _parse_body(raw_body)
+        prompts = batched_prompts(path, body)
+        # A batch's prompts run through a window of engine requests, as wide as its tenant has
+        # left (one, the request's own, at the least).
+        window = admitted.widen(min(len(prompts), BATCH_WINDOW)) if prompts else 1
         given = _header_id(headers)
         responses: Translated | None = None
         if path == RESPONSES_PATH:
@@ -114,6 +130,7 @@ async def serve_turn(
             body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
         pause = _record_pause(gateway.metrics, headers)
         turn = Turn(path, body, conversation_id, turn_id, pause=pause, tenant=tenant)
+        turn.window = window
         turn.request_id = headers.get(h.REQUEST_ID)
         turn.trace_headers = {k: headers[k] for k in _TRACE_HEADERS if k in headers}
         turn.tracer = gateway.tracer

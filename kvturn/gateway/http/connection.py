@@ -390,7 +390,8 @@ async def serve(connection: Connection, request: Request) -> None:
     connection.replying = False
     if request.refusal is not None:
         error = request.refusal
-        connection.writer.write_json(request, error.status, orjson.dumps(error.body()))
+        body = orjson.dumps(error.body())
+        connection.writer.write_json(request, error.status, body, error.retry_after_s)
         return
     app, writer, gone = connection.host.serving, connection.writer, connection.gone
     if request.method != "POST":

@@ -149,14 +149,18 @@ class ReplyWriter:
     def write(self, data: bytes) -> None:
         self.transport.write(data)
 
-    def write_json(self, request: Request, status: int, body: bytes) -> None:
+    def write_json(
+        self, request: Request, status: int, body: bytes, retry_after_s: int | None = None
+    ) -> None:
         """A reply the server makes itself (a refused request, an error the app did not
-        answer)."""
+        answer), with a ``Retry-After`` header when ``retry_after_s`` is given."""
         if self.closed:
             return
         head = [_status_line(status), b"date: ", _date(), b"\r\n"]
         if not request.keep_alive:
             head.append(b"connection: close\r\n")
+        if retry_after_s is not None:
+            head.append(b"retry-after: %d\r\n" % retry_after_s)
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
         head.append(body)
         self.transport.write(b"".join(head))

@@ -21,6 +21,15 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
         int,
         "of which one tenant (or the callers without a key) may hold at once (429 past it)",
     ),
+    "caller_requests_in_flight": (
+        int,
+        "turn requests one tenant may have in flight at once (429 past it; 0: no limit)",
+    ),
+    "caller_engine_requests_in_flight": (
+        int,
+        "engine requests one tenant's turns and batches may hold at once (429 past it; "
+        "0: no limit)",
+    ),
     "read_timeout_s": (float, "a request must arrive whole this soon, seconds (else 408)"),
     "max_connections": (int, "client connections open at once (503 past it)"),
     "connect_timeout_s": (float, "engine connect timeout, seconds"),
@@ -56,6 +65,19 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
 }
 #: Settings of the gateway's logs, flags of ``kvturn serve`` and ``kvturn up`` alike.
 LOG_SETTINGS = ("access_log", "log_level", "log_format")
+#: What one tenant may have in flight: flags of ``kvturn serve`` and ``kvturn up`` alike.
+CALLER_LIMITS = ("caller_requests_in_flight", "caller_engine_requests_in_flight")
+
+
+def add_caller_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """``--caller-requests-in-flight`` and ``--caller-engine-requests-in-flight`` (``kvturn
+    up``; ``kvturn serve`` has them among its other settings)."""
+    for name in CALLER_LIMITS:
+        kind, text = _GATEWAY_TUNABLES[name]
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+            help=f"{text} (default {getattr(GatewayConfig, name)}; env KVTURN_{name.upper()})",
+        )  # fmt: skip
 
 
 def add_log_flags(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,12 @@ from kvturn.gateway.ops.launch.engines import (
 )
 from kvturn.gateway.ops.launch.local_models import kvturn_home
 from kvturn.gateway.ops.models import resolve_model
-from kvturn.gateway.ops.serve import LOG_SETTINGS, add_log_flags
+from kvturn.gateway.ops.serve import (
+    CALLER_LIMITS,
+    LOG_SETTINGS,
+    add_caller_limit_flags,
+    add_log_flags,
+)
 from kvturn.wire import CONTROL_SECRET_ENV
 
 if TYPE_CHECKING:
@@ -137,7 +142,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 reuse_threshold_tokens=args.recompute_threshold,
                 state=args.state,
                 transfer=args.transfer,
-                **{name: getattr(args, name, None) for name in LOG_SETTINGS},
+                **{name: getattr(args, name, None) for name in (*LOG_SETTINGS, *CALLER_LIMITS)},
             )
             configure_logging(config.log_level, config.log_format)
             if args.gateway_workers > 1:
@@ -253,6 +258,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="push: seconds a decode keeps blocks registered for a push that never came",
     )  # fmt: skip
     add_log_flags(up)
+    add_caller_limit_flags(up)
     up.add_argument(
         "--state", default=None,
         help="gateway state: memory (default) or redis://host:port/db (env KVTURN_STATE)",

@@ -15,6 +15,7 @@ from opentelemetry import trace
 
 from kvturn import headers as h
 from kvturn.gateway import tracing
+from kvturn.gateway.batches import BATCH_WINDOW
 from kvturn.gateway.digests import message_digests, salt_digest, seed
 from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
@@ -65,6 +66,9 @@ class Turn:
     trace_headers: dict[str, str] = field(default_factory=dict)
     #: The gateway's tracer, when it traces (:mod:`kvturn.gateway.tracing`).
     tracer: trace.Tracer | None = None
+    #: A batch of prompts: how many of them may have engine requests in flight at once
+    #: (:func:`~kvturn.gateway.batches.serve_batch`; what its tenant had left).
+    window: int = BATCH_WINDOW
     #: What the conversation keeps of the request's ``cache_salt``
     #: (:func:`~kvturn.gateway.digests.salt_digest`): its KV is reused only under the same.
     salt: bytes | None = field(init=False)

@@ -78,6 +78,7 @@ class TurnRunner:
                 [self.serve(sub, None) for sub in subturns],
                 stream=turn.stream,
                 choices_per_prompt=int(turn.body.get("n") or 1),
+                window=turn.window,
             )
         return await self.serve(turn, await self.reuse.take(turn))
 
