@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from kvturn.gateway.congestion import LoopLag
 from kvturn.gateway.errors import GatewayError, UpstreamError
 from kvturn.gateway.replies import Reply, ReplyStream
 
@@ -60,14 +61,29 @@ BATCH_WINDOW = 32
 
 
 def windowed(
-    serving: Sequence[Coroutine[Any, Any, Reply]], window: int = BATCH_WINDOW
+    serving: Sequence[Coroutine[Any, Any, Reply]],
+    window: int = BATCH_WINDOW,
+    lag: LoopLag | None = None,
 ) -> list[Coroutine[Any, Any, Reply]]:
-    """``serving``, at most ``window`` of them under way at once (non-streamed replies)."""
+    """``serving``, at most ``window`` of them under way at once (non-streamed replies), and
+    while the loop runs late (``lag``) only one (:mod:`.congestion`)."""
     slots = asyncio.Semaphore(max(1, window))
+    running = 0
 
     async def one(work: Coroutine[Any, Any, Reply]) -> Reply:
+        nonlocal running
         async with slots:
-            return await work
+            if lag is not None:
+                try:
+                    await lag.caught_up(busy=lambda: running > 0)
+                except asyncio.CancelledError:
+                    work.close()
+                    raise
+            running += 1
+            try:
+                return await work
+            finally:
+                running -= 1
 
     return [one(work) for work in serving]
 
@@ -78,6 +94,7 @@ async def serve_batch(
     stream: bool,
     choices_per_prompt: int,
     window: int = BATCH_WINDOW,
+    lag: LoopLag | None = None,
 ) -> Reply:
     """Serve every prompt (``serving``, in the batch's order), at most ``window`` at once,
     and merge their replies into one.
@@ -86,9 +103,9 @@ async def serve_batch(
     batch, the prompts of the first window are answered before the reply starts; one after
     them that fails ends the stream with an error event, as vLLM ends a stream that failed."""
     if not stream:
-        replies = await asyncio.gather(*windowed(serving, window), return_exceptions=True)
+        replies = await asyncio.gather(*windowed(serving, window, lag), return_exceptions=True)
         return _merged(replies, choices_per_prompt)
-    prompts = PromptWindow(serving, window)
+    prompts = PromptWindow(serving, window, lag)
     try:
         first = await asyncio.gather(*(prompts.reply(i) for i in range(min(window, len(prompts)))))
     except BaseException:
@@ -156,10 +173,19 @@ class PromptWindow:
     relayed to its end, or closed). Places are taken strictly in the batch's order, so the
     prompt whose stream is relayed next always has one: a batch never waits on itself."""
 
-    def __init__(self, serving: Sequence[Coroutine[Any, Any, Reply]], window: int):
+    def __init__(
+        self,
+        serving: Sequence[Coroutine[Any, Any, Reply]],
+        window: int,
+        lag: LoopLag | None = None,
+    ):
         loop = asyncio.get_running_loop()
         self._serving = list(serving)
         self._slots = asyncio.Semaphore(max(1, window))
+        #: While the loop runs late, no prompt starts while another of the batch waits for
+        #: its reply (a stream that has begun holds its place, not the loop's time).
+        self._lag = lag
+        self._awaiting = 0
         self._replies: list[asyncio.Future[Reply | BaseException]] = [
             loop.create_future() for _ in self._serving
         ]
@@ -186,6 +212,9 @@ class PromptWindow:
     async def _open(self) -> None:
         for work, answer in zip(self._serving, self._replies, strict=True):
             await self._slots.acquire()
+            if self._lag is not None:
+                await self._lag.caught_up(busy=lambda: self._awaiting > 0)
+            self._awaiting += 1
             self._tasks.append(asyncio.create_task(self._serve(work, answer)))
 
     async def _serve(
@@ -200,6 +229,8 @@ class PromptWindow:
             raise
         except Exception as error:
             outcome = error
+        finally:
+            self._awaiting -= 1
         if isinstance(outcome, Reply) and outcome.stream is not None:
             outcome.stream = _Held(outcome.stream, self._slots.release)
         else:

@@ -70,6 +70,7 @@ class Gateway:
         self.models: list[dict[str, Any]] = []
         self._health: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._lag: asyncio.Task[None] | None = None
         self._learner: asyncio.Task[None] | None = None
 
     async def refresh_models(self) -> None:
@@ -98,6 +99,8 @@ class Gateway:
         )
         self._sweeper = asyncio.create_task(self._sweep_forever())
         self._learner = asyncio.create_task(self._learn_decodes())
+        # How late the loop runs: batches yield to the other callers' work while it is late.
+        self._lag = asyncio.create_task(self.runner.context.lag.watch())
 
     async def _learn_decodes(self) -> None:
         """Each decode's block size and KV bytes per token, from its connector (for the
@@ -143,8 +146,10 @@ class Gateway:
                 self.metrics.conversations_forgotten.inc(forgotten)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._health, self._sweeper, self._learner) if t is not None]
-        self._health = self._sweeper = self._learner = None
+        tasks = [
+            t for t in (self._health, self._sweeper, self._learner, self._lag) if t is not None
+        ]
+        self._health = self._sweeper = self._learner = self._lag = None
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

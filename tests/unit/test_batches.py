@@ -265,3 +265,69 @@ async def test_a_streamed_batch_whose_client_left_calls_off_every_prompt() -> No
     assert cancelled == [5]
     assert counter["open"] == 0
     assert sorted(started) == list(range(8))  # prompts past the window never started
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_batch_yields_to_a_late_loop_one_prompt_at_a_time(stream: bool) -> None:
+    """While the event loop runs late (other callers' work waits behind a batch's engine
+    requests), a batch starts no prompt while another of its own is under way: one at a time,
+    never none; once the loop is on time again, its whole window. Answers unchanged."""
+    import asyncio
+
+    from kvturn.gateway.congestion import LoopLag
+
+    lag = LoopLag()
+    lag.lag_s = 1.0  # late, as the watcher would find it
+    counter = {"open": 0, "peak": 0}
+    computing = {"now": 0, "late": 0, "on_time": 0}
+    done = 0
+
+    async def prompt(i: int) -> Reply:
+        nonlocal done
+        computing["now"] += 1
+        phase = "late" if lag.late else "on_time"
+        computing[phase] = max(computing[phase], computing["now"])
+        await asyncio.sleep(0.001)
+        computing["now"] -= 1
+        done += 1
+        if done == 10:
+            lag.lag_s = 0.0  # the loop caught up
+        if stream:
+            counter["open"] += 1
+            return Reply(200, stream=_Opened(counter, _chunk(f"p{i}", 0, str(i)), _usage("u", 1)))
+        body = {"id": "c", "choices": [{"index": 0, "text": str(i)}], "usage": None}
+        return Reply(200, orjson.dumps(body))
+
+    reply = await serve_batch(
+        [prompt(i) for i in range(40)], stream=stream, choices_per_prompt=1, window=8, lag=lag
+    )
+    if stream:
+        events = await _read_all(reply)
+        texts = [c["text"] for e in events[:-1] for c in orjson.loads(e)["choices"]]
+    else:
+        texts = [c["text"] for c in orjson.loads(reply.body)["choices"]]
+    assert texts == [str(i) for i in range(40)]
+    assert computing["late"] == 1  # one prompt at a time, never none: the batch went on
+    assert computing["on_time"] == 8  # the whole window, once the loop was on time
+
+
+async def test_a_late_loop_holds_a_batch_to_one_prompt() -> None:
+    import asyncio
+
+    from kvturn.gateway.batches import windowed
+    from kvturn.gateway.congestion import LoopLag
+
+    lag = LoopLag()
+    lag.lag_s = 1.0
+    running = peak = 0
+
+    async def prompt(i: int) -> Reply:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.001)
+        running -= 1
+        return Reply(200, b"{}")
+
+    await asyncio.gather(*windowed([prompt(i) for i in range(12)], 8, lag))
+    assert peak == 1

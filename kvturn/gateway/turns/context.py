@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvturn.gateway.config import GatewayConfig
+from kvturn.gateway.congestion import LoopLag
 from kvturn.gateway.http.upstream import Upstream
 from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
@@ -34,6 +35,8 @@ class TurnContext:
     #: :mod:`kvturn.gateway.extension`); off for good once a bound did not hold.
     bound_extensions: bool = True
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    #: How late the event loop runs (watched by the gateway); batches yield to it.
+    lag: LoopLag = field(default_factory=LoopLag)
 
     @classmethod
     def create(
