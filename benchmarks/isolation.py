@@ -309,18 +309,17 @@ CONTROL_CASES: list[tuple[str, Attack, int]] = [
 ]
 
 
-@contextlib.contextmanager
-def control_server() -> Iterator[None]:
-    from kvturn.connector.control_server import ControlServer
-    from kvturn.connector.leases import LeaseTable
-
-    leases = LeaseTable(time.monotonic, max_lease_s=600)
-    leases.retain("req-a", "lease-a", "conv-a", {"remote_num_tokens": 64}, [[1, 2, 3, 4]], 600)
-    running = ControlServer(leases, "127.0.0.1", CONTROL_PORT, SECRET).start()
-    try:
-        yield
-    finally:
-        running.stop()
+#: The control server in a process of its own, as in an engine: in this one, the attackers'
+#: and A's threads would share its interpreter lock.
+CONTROL_SERVER = f"""
+import threading, time
+from kvturn.connector.control_server import ControlServer
+from kvturn.connector.leases import LeaseTable
+leases = LeaseTable(time.monotonic, max_lease_s=600)
+leases.retain("req-a", "lease-a", "conv-a", {{"remote_num_tokens": 64}}, [[1, 2, 3, 4]], 600)
+ControlServer(leases, "127.0.0.1", {CONTROL_PORT}, {SECRET!r}).start()
+threading.Event().wait()
+"""
 
 
 # ---- running ---------------------------------------------------------------------------------
@@ -380,8 +379,7 @@ def main() -> int:
     with server(*fake, port=FAKE_PORT), server(*gateway, port=GATEWAY_PORT, env=env):
         base = f"http://127.0.0.1:{GATEWAY_PORT}"
         gateway_rows = run_cases(GATEWAY_CASES, _turn, base, KEY_A, args.seconds)
-    os.environ.setdefault("KVTURN_CONTROL_SECRET", SECRET)
-    with control_server():
+    with server(py, "-c", CONTROL_SERVER, port=CONTROL_PORT, http=False):
         base = f"http://127.0.0.1:{CONTROL_PORT}"
         control_rows = run_cases(CONTROL_CASES, _control_call, base, SECRET, args.seconds)
     header = [
@@ -400,7 +398,11 @@ def main() -> int:
         f"{A_THREADS} threads, a conversation each, a non-streamed turn every "
         f"{A_PACE_S * 1000:.0f} ms (or once the last answered): {A_THREADS / A_PACE_S:.0f} "
         "turns/s offered; "
-        f"{args.seconds:g} s a measurement; A alone measured right before each case.",
+        f"{args.seconds:g} s a measurement; A alone measured right before each case. On a "
+        "machine of 2 cores the gateway, the fake engine and both callers' clients share them: "
+        "an attack that keeps the engine busy (batches of one-line prompts, answered at once) "
+        "takes CPU time from the gateway's own loop, whatever the gateway schedules; a machine "
+        "with cores to spare separates the two.",
         "",
         "## The gateway",
         "",
@@ -409,7 +411,8 @@ def main() -> int:
         "",
         "## An engine's control server (case 7)",
         "",
-        "kvturn's `ControlServer` over a `LeaseTable`, on its own; A: the gateway's calls "
+        "kvturn's `ControlServer` over a `LeaseTable`, on its own (a process of its own); A: "
+        "the gateway's calls "
         "with the secret (lease stats, then a renewal), "
         f"{A_THREADS} threads.",
         "",
