@@ -68,22 +68,21 @@ def windowed(
     """``serving``, at most ``window`` of them under way at once (non-streamed replies), and
     while the loop runs late (``lag``) only one (:mod:`.congestion`)."""
     slots = asyncio.Semaphore(max(1, window))
-    running = 0
+    one_at_a_time = asyncio.Lock()
 
     async def one(work: Coroutine[Any, Any, Reply]) -> Reply:
-        nonlocal running
         async with slots:
-            if lag is not None:
-                try:
-                    await lag.caught_up(busy=lambda: running > 0)
-                except asyncio.CancelledError:
-                    work.close()
-                    raise
-            running += 1
+            if lag is None or not lag.late:
+                return await work
+            try:
+                await one_at_a_time.acquire()
+            except asyncio.CancelledError:
+                work.close()
+                raise
             try:
                 return await work
             finally:
-                running -= 1
+                one_at_a_time.release()
 
     return [one(work) for work in serving]
 
@@ -186,6 +185,7 @@ class PromptWindow:
         #: its reply (a stream that has begun holds its place, not the loop's time).
         self._lag = lag
         self._awaiting = 0
+        self._none_awaiting = asyncio.Event()
         self._replies: list[asyncio.Future[Reply | BaseException]] = [
             loop.create_future() for _ in self._serving
         ]
@@ -212,8 +212,9 @@ class PromptWindow:
     async def _open(self) -> None:
         for work, answer in zip(self._serving, self._replies, strict=True):
             await self._slots.acquire()
-            if self._lag is not None:
-                await self._lag.caught_up(busy=lambda: self._awaiting > 0)
+            if self._lag is not None and self._lag.late and self._awaiting:
+                self._none_awaiting.clear()
+                await self._none_awaiting.wait()
             self._awaiting += 1
             self._tasks.append(asyncio.create_task(self._serve(work, answer)))
 
@@ -231,6 +232,8 @@ class PromptWindow:
             outcome = error
         finally:
             self._awaiting -= 1
+            if not self._awaiting:
+                self._none_awaiting.set()
         if isinstance(outcome, Reply) and outcome.stream is not None:
             outcome.stream = _Held(outcome.stream, self._slots.release)
         else:

@@ -11,13 +11,13 @@ its holdings turn over.
 :class:`LoopLag` measures how late the loop wakes a timer. While it runs late, a batch starts
 no further prompt as long as one of its own is under way: each batch keeps going, one prompt
 at a time, and the loop's time goes to every caller's work in turn rather than to the batches'
-windows. With the loop on time, batches use their whole window.
+windows. With the loop on time, batches use their whole window. Waiting prompts poll
+nothing: they queue on their batch's lock (or, streamed, on its last prompt's reply).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 #: How often the loop's lateness is sampled (seconds).
 SAMPLE_S = 0.005
@@ -44,9 +44,3 @@ class LoopLag:
     @property
     def late(self) -> bool:
         return self.lag_s > self.late_s
-
-    async def caught_up(self, busy: Callable[[], bool]) -> None:
-        """Return once the loop runs on time (at once if it does), or once ``busy`` says the
-        waiting work has nothing of its own under way (it never waits on itself alone)."""
-        while self.late and busy():
-            await asyncio.sleep(self.sample_s)

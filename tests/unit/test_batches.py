@@ -308,7 +308,9 @@ async def test_a_batch_yields_to_a_late_loop_one_prompt_at_a_time(stream: bool) 
         texts = [c["text"] for c in orjson.loads(reply.body)["choices"]]
     assert texts == [str(i) for i in range(40)]
     assert computing["late"] == 1  # one prompt at a time, never none: the batch went on
-    assert computing["on_time"] == 8  # the whole window, once the loop was on time
+    # Once the loop is on time, the window opens again (prompts that queued while it was late
+    # still go one at a time, beside the new ones).
+    assert 4 <= computing["on_time"] <= 8
 
 
 async def test_a_late_loop_holds_a_batch_to_one_prompt() -> None:
