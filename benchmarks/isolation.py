@@ -401,8 +401,8 @@ def main() -> int:
         f"{args.seconds:g} s a measurement; A alone measured right before each case. On a "
         "machine of 2 cores the gateway, the fake engine and both callers' clients share them: "
         "an attack that keeps the engine busy (batches of one-line prompts, answered at once) "
-        "takes CPU time from the gateway's own loop, whatever the gateway schedules; a machine "
-        "with cores to spare separates the two.",
+        "takes CPU time from the gateway's own loop, whatever the gateway schedules "
+        "(`isolation_16cores.md`: the same on 16 cores, `scripts/device_isolation.sh`).",
         "",
         "## The gateway",
         "",
