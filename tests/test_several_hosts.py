@@ -130,11 +130,17 @@ def test_reuse_across_hosts_and_a_decode_host_unplugged(hosts: dict[str, Any]) -
     assert third.token_ids == single_engine_ids(prefill, model, messages, MAX_TOKENS)
     assert took < 30, f"the turn after the cut took {took:.1f} s"
 
-    # And reuse resumes from the decode host that served it.
+    # And reuse resumes from the decode host that served it: a pull is planned. Prefill's own
+    # prefix cache (on, as `kvturn engine` runs it) holds turn 3's prompt, recomputed there;
+    # where it held all the lease did, vLLM reads nothing and the gateway says so.
     messages += [
         {"role": "assistant", "content": third.text},
         {"role": "user", "content": "Last one."},
     ]
     fourth = run_turn(client, model, messages, cid, max_tokens=MAX_TOKENS)
-    assert fourth.plan == "pull-reuse", (fourth.plan, fourth.reason)
+    assert fourth.plan == "pull-reuse" or (fourth.plan, fourth.reason) == (
+        "recompute",
+        "prefill-cached",
+    ), (fourth.plan, fourth.reason)
+    assert fourth.reused_tokens > 1000
     assert fourth.token_ids == single_engine_ids(prefill, model, messages, MAX_TOKENS)
