@@ -192,7 +192,9 @@ def test_one_tenants_batches_cannot_take_every_engine_request(fake_url: str) -> 
     with running_gateway(config) as gateway:
         fake_engine.COUNTS["peak_in_flight"] = 0
         assert _completions(_post(gateway, KEY_A, batch, path="/v1/completions")) == list(range(8))
-        assert fake_engine.COUNTS["peak_in_flight"] == 4
+        # At most its 4 (fewer while the gateway's loop runs late: batches then yield,
+        # gateway/congestion.py).
+        assert 1 <= fake_engine.COUNTS["peak_in_flight"] <= 4
         thread, answers = _in_background(
             lambda: _post(gateway, KEY_A, batch, path="/v1/completions")
         )
@@ -218,7 +220,9 @@ def test_a_streamed_batch_opens_at_most_a_window_of_engine_requests(fake_url: st
         with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
-        assert fake_engine.COUNTS["peak_in_flight"] == BATCH_WINDOW
+        # At most a window (fewer while the loop runs late: gateway/congestion.py; the window
+        # reached is tested in tests/unit/test_batches.py).
+        assert 1 <= fake_engine.COUNTS["peak_in_flight"] <= BATCH_WINDOW
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     data = [orjson.loads(event) for event in events[:-1]]
     indexes = [choice["index"] for chunk in data for choice in chunk["choices"]]
