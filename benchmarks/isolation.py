@@ -130,6 +130,15 @@ def _raw(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=30)
 
 
+def _tenant_b(timeout_s: float = 30) -> httpx.Client:
+    """Tenant B's client of the gateway."""
+    return httpx.Client(
+        base_url=f"http://127.0.0.1:{GATEWAY_PORT}",
+        headers={"Authorization": f"Bearer {KEY_B}"},
+        timeout=timeout_s,
+    )
+
+
 def stalled_bodies(key: str | None) -> Attack:
     """Case 1: announce a 32 MiB body, send most of it, stall; again, as long as it runs."""
 
@@ -162,11 +171,7 @@ def stalled_bodies(key: str | None) -> Attack:
 
 def batches(stop: threading.Event) -> None:
     """Case 2: completion requests with the most prompts allowed (256) and with 2,000."""
-    with httpx.Client(
-        base_url=f"http://127.0.0.1:{GATEWAY_PORT}",
-        headers={"Authorization": f"Bearer {KEY_B}"},
-        timeout=60,
-    ) as client:
+    with _tenant_b(timeout_s=60) as client:
         while not stop.is_set():
             for n in (256, 2000):
                 body = {"model": "fake", "prompt": [f"p{i}" for i in range(n)], "max_tokens": 4}
@@ -188,11 +193,7 @@ def scrapes(stop: threading.Event) -> None:
 
 def bad_numbers(stop: threading.Event) -> None:
     """Cases 4 and 5: turns reporting a 1e308 ms pause, heartbeats with paused_ms 2^64."""
-    with httpx.Client(
-        base_url=f"http://127.0.0.1:{GATEWAY_PORT}",
-        headers={"Authorization": f"Bearer {KEY_B}"},
-        timeout=30,
-    ) as client:
+    with _tenant_b() as client:
         body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):
@@ -209,11 +210,7 @@ def bad_numbers(stop: threading.Event) -> None:
 
 def bad_responses(stop: threading.Event) -> None:
     """Case 6: Responses requests the gateway must refuse (a tool_choice without a name)."""
-    with httpx.Client(
-        base_url=f"http://127.0.0.1:{GATEWAY_PORT}",
-        headers={"Authorization": f"Bearer {KEY_B}"},
-        timeout=30,
-    ) as client:
+    with _tenant_b() as client:
         body = {"model": "fake", "input": "x", "tool_choice": {"type": "function"}}
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):
@@ -247,11 +244,7 @@ def slow_streams(stop: threading.Event) -> None:
     from many threads at once (the limit per tenant bounds how many the gateway serves)."""
     body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True,
             "fake_slow_stream": 200}  # fmt: skip
-    with httpx.Client(
-        base_url=f"http://127.0.0.1:{GATEWAY_PORT}",
-        headers={"Authorization": f"Bearer {KEY_B}"},
-        timeout=60,
-    ) as client:
+    with _tenant_b(timeout_s=60) as client:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):
                 client.post("/v1/chat/completions", json=body)
@@ -402,7 +395,11 @@ def main() -> int:
         "machine of 2 cores the gateway, the fake engine and both callers' clients share them: "
         "an attack that keeps the engine busy (batches of one-line prompts, answered at once) "
         "takes CPU time from the gateway's own loop, whatever the gateway schedules "
-        "(`isolation_16cores.md`: the same on 16 cores, `scripts/device_isolation.sh`).",
+        "(`isolation_16cores.md`: the same on 16 cores, `scripts/device_isolation.sh`). No "
+        "vLLM P/D baseline applies: this measures how the gateway keeps tenants apart "
+        "(keys, per-tenant limits, its own HTTP edge) in front of a fake engine; "
+        "vllm-router has no tenants or per-caller limits to compare, and no engine does work "
+        "here.",
         "",
         "## The gateway",
         "",
