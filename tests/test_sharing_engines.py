@@ -67,8 +67,10 @@ def _hits_since(pair: LocalPair, before: float, at_least: float) -> float:
         time.sleep(0.1)
 
 
-def _same_answer(pair: LocalPair, got: TurnResult, messages: list[dict[str, Any]]) -> None:
-    want = single_engine_ids(pair.prefill_url, pair.model, messages, len(got.token_ids))
+def _same_answer(
+    pair: LocalPair, got: TurnResult, messages: list[dict[str, Any]], **extra: Any
+) -> None:
+    want = single_engine_ids(pair.prefill_url, pair.model, messages, len(got.token_ids), **extra)
     first = next(
         (i for i, (a, b) in enumerate(zip(got.token_ids, want, strict=False)) if a != b), None
     )
@@ -148,20 +150,25 @@ def test_parallel_turns_of_one_conversation_both_reuse(
     wait_recorded(gateway, conversation)
     history = [*messages, {"role": "assistant", "content": first.text}]
     # Two follow-ups of the same turn in flight at once (the results of two parallel tool
-    # calls, each sent on its own): the first, a longer reply, is still streaming when the
-    # second has waited out the table's wait for its record.
+    # calls, each sent on its own): the first, a long reply, is still streaming when the
+    # second has waited out the table's wait for its record (0.5 s). CI's machine streams
+    # 160 tokens in 0.34 s, so the long reply is 600 tokens that end only at the limit.
     branches = [[*history, _tool(1, "gauge")], [*history, _tool(1, "anemometer")]]
+    long_reply = {"max_tokens": 600, "extra_body": {"ignore_eos": True}}
     before = _hits(local_pair)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        slow = pool.submit(run_turn, client, local_pair.model, branches[0], conversation, True, 160)
+        slow = pool.submit(
+            run_turn, client, local_pair.model, branches[0], conversation, True, **long_reply
+        )
         time.sleep(0.2)
         fast = pool.submit(run_turn, client, local_pair.model, branches[1], conversation)
         results = [slow.result(), fast.result()]
     plans = [(r.plan, r.reason) for r in results]
     assert plans == [("decode-local", "cheaper"), ("decode-local", "parallel")], plans
-    for got, sent in zip(results, branches, strict=True):
+    assert len(results[0].token_ids) == 600
+    for got, sent, extra in zip(results, branches, ({"ignore_eos": True}, {}), strict=True):
         assert got.reused_tokens >= first.prompt_tokens - 2 * BLOCK, got
-        _same_answer(local_pair, got, sent)
+        _same_answer(local_pair, got, sent, **extra)
     reused = sum(r.reused_tokens for r in results)
     assert _hits_since(local_pair, before, reused) >= reused
     # The conversation's record after both is the turn begun last's: its history is what the
