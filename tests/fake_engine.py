@@ -50,6 +50,8 @@ REQUIRED_KEY: str | None = None
 LAST_CACHE_SALT: dict[str, str | None] = {"prefill": None, "decode": None}
 #: The request id and trace headers of the last prefill and the last decode request.
 LAST_HEADERS: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+#: The lease the gateway last asked for: with a decode request (``retain``) and a renewal.
+LAST_LEASE_ASKED: dict[str, float | None] = {"retain": None, "renew": None}
 _RECORDED_HEADERS = (b"x-request-id", b"traceparent", b"tracestate")
 _PROMPT_TOKENS = 1000
 #: Ports whose decode requests fail with a 500 (a decode that broke).
@@ -261,6 +263,7 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         COUNTS["decode_local"] = COUNTS.get("decode_local", 0) + 1
     LAST_CACHE_SALT["decode"] = body.get("cache_salt")
     LAST_HEADERS["decode"] = _recorded(scope)
+    LAST_LEASE_ASKED["retain"] = params.get("kvturn_lease_s")
     _RETAINED[request_id] = {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
         "remote_request_id": request_id, "remote_host": "localhost", "remote_port": 2,
@@ -368,6 +371,7 @@ async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None
         await _send_json(send, 200, _RETAINED.pop(key))
     else:
         lease_s = float(json.loads(await _read(receive) or b"{}").get("lease_s", 0))
+        LAST_LEASE_ASKED["renew"] = lease_s
         lease_s = min(lease_s, MAX_LEASE_S or lease_s)  # as a connector cuts it
         found["expires_in_s"] = max(found["expires_in_s"], lease_s)
         await _send_json(send, 200, {"expires_in_s": lease_s})

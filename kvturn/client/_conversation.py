@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvturn.headers import (
     CONVERSATION_ID,
+    HEARTBEATS,
     LEASE_SECONDS,
     PAUSE_KIND,
     PAUSE_MS,
@@ -256,6 +257,9 @@ def begin_turn(conversation: Conversation) -> Turn:
         conversation._turns_begun += 1
     # turn_headers(), made directly: this runs on every request.
     headers = {CONVERSATION_ID: conversation.header_id, TURN_ID: new_turn_id()}
+    if conversation._core.beating:
+        # The pause after this turn gets beats: the gateway may lease it for one beat's span.
+        headers[HEARTBEATS] = "on"
     if ended_at is not None:
         headers[PAUSE_MS] = str(_pause_ms(now, ended_at))
         headers[PAUSE_KIND] = "tool" if tool else "user"

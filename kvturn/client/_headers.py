@@ -9,6 +9,7 @@ import uuid
 
 from kvturn.headers import (
     CONVERSATION_ID,
+    HEARTBEATS,
     PAUSE_KIND,
     PAUSE_MS,
     TURN_ID,
@@ -53,9 +54,14 @@ def conversation_id_from(value: str) -> str:
     return "h-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
-def turn_headers(conversation_id: str, turn_id: str, pause: Pause | None) -> dict[str, str]:
-    """Headers of one turn; the pause ones only when a pause preceded it."""
+def turn_headers(
+    conversation_id: str, turn_id: str, pause: Pause | None, heartbeats: bool = False
+) -> dict[str, str]:
+    """Headers of one turn; the pause ones only when a pause preceded it, the heartbeat one
+    when the client beats through the pause after it."""
     headers = {CONVERSATION_ID: conversation_id_header(conversation_id), TURN_ID: turn_id}
+    if heartbeats:
+        headers[HEARTBEATS] = "on"
     if pause is not None:
         headers[PAUSE_MS] = str(pause.ms)
         headers[PAUSE_KIND] = pause.kind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,11 @@ class GatewayConfig:
     #: A conversation's lease: how long its KV stays reusable after a turn or heartbeat
     #: (never longer than the holder decode retains it).
     lease_s: float = 60.0
+    #: The lease of a conversation whose client says it sends heartbeats (``X-Kvturn-Heartbeats``)
+    #: and every heartbeat's renewal: its client beats at about half this through a pause of
+    #: any length, and a client that stops (crashed, gone) frees the KV this long after its
+    #: last beat instead of ``lease_s``. At most ``lease_s``.
+    heartbeat_lease_s: float = 10.0
     #: Do not try to claim a lease this close to its end (by the gateway's last word from the
     #: holder): the claim would likely find it gone. A successful claim holds the lease on the
     #: holder until prefill's read ends, so this only saves a round trip.
@@ -176,12 +182,20 @@ class GatewayConfig:
             )
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be positive, not {self.lease_s}")
-        if self.expiry_margin_s >= self.lease_s:
+        if not self.heartbeat_lease_s > 0 or not math.isfinite(self.heartbeat_lease_s):
+            raise ValueError(f"heartbeat_lease_s must be positive, not {self.heartbeat_lease_s}")
+        if self.expiry_margin_s >= min(self.lease_s, self.heartbeat_lease_s):
             # Every lease would look lapsed as soon as it was granted: no turn would reuse.
             raise ValueError(
                 f"expiry_margin_s ({self.expiry_margin_s}) must be less than lease_s "
-                f"({self.lease_s}), or no turn would ever reuse KV"
+                f"({self.lease_s}) and heartbeat_lease_s ({self.heartbeat_lease_s}), or no "
+                "turn would ever reuse KV"
             )
+
+    def lease_for(self, heartbeats: bool) -> float:
+        """The lease to ask for a turn (or a heartbeat's renewal): the short heartbeat lease
+        where the client beats through its pauses, else the one that must span a pause."""
+        return min(self.lease_s, self.heartbeat_lease_s) if heartbeats else self.lease_s
 
     @classmethod
     def from_env(
@@ -198,7 +212,8 @@ class GatewayConfig:
         ``KVTURN_OPERATOR_KEYS``)."""
         env: dict[str, object] = dict(base or {})
         typed: dict[str, Callable[[str], object]] = {
-            "lease_s": float, "expiry_margin_s": float, "reuse_threshold_tokens": int,
+            "lease_s": float, "heartbeat_lease_s": float, "expiry_margin_s": float,
+            "reuse_threshold_tokens": int,
             "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
             "max_body_bytes": int, "body_budget_bytes": int, "caller_body_budget_bytes": int,
             "caller_requests_in_flight": int, "caller_engine_requests_in_flight": int,

@@ -61,6 +61,18 @@ def test_headers_arrive_and_pauses_follow_the_first_turn(stub: StubGateway) -> N
     assert [t.turn_id for t in conversation.turns] == [first.headers[TID], second.headers[TID]]
 
 
+@pytest.mark.parametrize("heartbeats", [True, False])
+def test_a_client_says_whether_it_beats_through_pauses(stub: StubGateway, heartbeats: bool) -> None:
+    """The gateway leases a beating client's KV for one beat's span only: a client that does
+    not beat must not say it does, or its KV would lapse mid-pause."""
+    client = make_client(stub, heartbeats=heartbeats)
+    with client.conversation("beats"):
+        ask(client)
+        ask(client)
+    for request in stub.chat_requests():
+        assert request.headers.get(h.HEARTBEATS.lower()) == ("on" if heartbeats else None)
+
+
 def test_default_id_is_a_uuid4_and_known_before_entering(stub: StubGateway) -> None:
     client = make_client(stub)
     scope = client.conversation()

@@ -31,8 +31,10 @@ def test_turns_carry_exactly_the_turn_headers() -> None:
         second = begin_turn(conversation)
         finish_turn(second, tool_calls=False)
         conversation.released = True  # nothing to release at a gateway
-    assert first.headers == turn_headers("c", first.turn_id, None)
-    assert second.headers == turn_headers("c", second.turn_id, Pause(ms=7, kind="tool"))
+    assert first.headers == turn_headers("c", first.turn_id, None, heartbeats=True)
+    assert second.headers == turn_headers(
+        "c", second.turn_id, Pause(ms=7, kind="tool"), heartbeats=True
+    )
     assert second.pause == Pause(ms=7, kind="tool") and first.pause is None
     client.close()
 

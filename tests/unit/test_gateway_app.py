@@ -79,6 +79,47 @@ def test_a_conversation_is_told_the_lease_its_decode_grants(
         assert answer.next_heartbeat_s is not None and answer.next_heartbeat_s <= 10
 
 
+def test_a_client_that_beats_gets_the_short_heartbeat_lease(fake_url: str) -> None:
+    """A client that says it beats through its pauses (``X-Kvturn-Heartbeats: on``) is leased
+    for one beat's span (``heartbeat_lease_s``), told so, and each beat renews by that much:
+    a client that stops beating frees the KV that soon, not a whole ``lease_s`` later. A
+    client that does not say so gets ``lease_s``, which must span its whole pause (issue:
+    leases that cost what they are worth)."""
+    from tests import fake_engine
+
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]),
+        lease_s=60, heartbeat_lease_s=8,
+    )  # fmt: skip
+    with running_gateway(config) as running:
+        beating = _chat(running.url, **{"X-Conversation-Id": "beats", "X-Kvturn-Heartbeats": "on"})
+        assert beating.headers["x-kvturn-lease-seconds"] == "8"
+        assert fake_engine.LAST_LEASE_ASKED["retain"] == 8
+        _recorded(running, "beats")
+        beat = httpx.post(
+            running.url + "/v1" + control.heartbeat_path("beats"),
+            json={"pause_kind": "tool", "paused_ms": 4000},
+        )
+        answer = control.HeartbeatResponse.model_validate_json(beat.content)
+        assert fake_engine.LAST_LEASE_ASKED["renew"] == 8
+        assert answer.known and answer.lease_remaining_s == 8 and answer.next_heartbeat_s == 4
+        silent = _chat(running.url, **{"X-Conversation-Id": "silent"})
+        assert silent.headers["x-kvturn-lease-seconds"] == "60"
+        assert fake_engine.LAST_LEASE_ASKED["retain"] == 60
+        # Anything but "on" is not a promise to beat.
+        other = _chat(running.url, **{"X-Conversation-Id": "maybe", "X-Kvturn-Heartbeats": "1"})
+        assert other.headers["x-kvturn-lease-seconds"] == "60"
+
+
+def test_a_heartbeat_lease_longer_than_the_lease_is_the_lease() -> None:
+    config = GatewayConfig(lease_s=5, heartbeat_lease_s=10)
+    assert config.lease_for(heartbeats=True) == config.lease_for(heartbeats=False) == 5
+    with pytest.raises(ValueError, match="heartbeat_lease_s"):
+        GatewayConfig(heartbeat_lease_s=0)
+    with pytest.raises(ValueError, match="heartbeat_lease_s"):
+        GatewayConfig(heartbeat_lease_s=0.4, expiry_margin_s=0.5)
+
+
 def test_conversation_id_from_body_or_prompt_cache_key(gateway: str) -> None:
     for field in ("conversation_id", "prompt_cache_key"):
         body = {

@@ -103,6 +103,7 @@ async def status(request: Request) -> Response:
             "implicit_conversations": config.implicit_conversations,
             "shared_prefixes": config.shared_prefixes,
             "lease_s": config.lease_s,
+            "heartbeat_lease_s": config.heartbeat_lease_s,
         },
         "costs": runner.context.costs.snapshot(),
     }
@@ -136,11 +137,14 @@ async def heartbeat(request: Request) -> Response:
         lease = conversation.holder_request_id
         # What the holder grants, not what the gateway would like: a client that beats at
         # half of a lease the decode cut short would find it lapsed.
-        granted = holder.lease_s(config.lease_s) if holder is not None else config.lease_s
+        # A heartbeat renews by the heartbeat lease: the client beats again before it ends,
+        # and a client that stops beating frees the KV that much after its last beat.
+        asked = config.lease_for(heartbeats=True)
+        granted = holder.lease_s(asked) if holder is not None else asked
         if holder is not None and holder.control_url is not None and lease:
             # The lease lives on the holder decode: renew it there.
             expires_in_s = await gateway.runner.context.leases.renew(
-                holder.control_url, lease, config.lease_s, beat.pause_kind, beat.paused_ms
+                holder.control_url, lease, asked, beat.pause_kind, beat.paused_ms
             )
             if expires_in_s is None:
                 gateway.metrics.lease_renewals_by["gone"].inc()

@@ -37,7 +37,7 @@ TURN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PAT
 _TURN_HEADERS = {
     name.lower().encode("latin-1"): name
     for name in (
-        *(h.CONVERSATION_ID, h.SESSION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND),
+        *(h.CONVERSATION_ID, h.SESSION_ID, h.TURN_ID, h.PAUSE_MS, h.PAUSE_KIND, h.HEARTBEATS),
         *(h.REQUEST_ID, h.TRACEPARENT, h.TRACESTATE),
     )
 }
@@ -130,6 +130,7 @@ async def serve_turn(
             body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
         pause = _record_pause(gateway.metrics, headers)
         turn = Turn(path, body, conversation_id, turn_id, pause=pause, tenant=tenant)
+        turn.heartbeats = headers.get(h.HEARTBEATS, "").lower() == "on"
         turn.window = window
         turn.request_id = headers.get(h.REQUEST_ID)
         turn.trace_headers = {k: headers[k] for k in _TRACE_HEADERS if k in headers}

@@ -12,6 +12,11 @@ from kvturn.gateway.config import LOG_FORMATS, LOG_LEVELS, GatewayConfig, endpoi
 #: Gateway settings that ``kvturn serve`` takes as flags (each also has a KVTURN_* variable).
 _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "lease_s": (float, "conversation lease without turns or heartbeats, seconds"),
+    "heartbeat_lease_s": (
+        float,
+        "lease of a conversation whose client sends heartbeats, and each heartbeat's renewal, "
+        "seconds (at most lease_s)",
+    ),
     "expiry_margin_s": (float, "never reuse KV this close to its expiry, seconds"),
     "reuse_threshold_tokens": (int, "reuse only when at least this many tokens are held"),
     "max_conversations": (int, "conversations remembered at once (LRU beyond)"),

@@ -139,6 +139,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     [e.spec.control_url or "" for e in deployment.decode],
                 ),
                 lease_s=up_lease_s(args),
+                heartbeat_lease_s=args.heartbeat_lease_s,
                 reuse_threshold_tokens=args.recompute_threshold,
                 state=args.state,
                 transfer=args.transfer,
@@ -249,6 +250,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="gateway processes on the port (share state with --state redis://…)",
     )  # fmt: skip
     up.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
+    up.add_argument(
+        "--heartbeat-lease-s", type=float, default=None,
+        help="lease of a conversation whose client sends heartbeats, seconds (default 10)",
+    )  # fmt: skip
     up.add_argument(
         "--transfer", choices=("pull", "push"), default="pull",
         help="prefill→decode KV transfer: pull (decode reads) or push (prefill writes)",

@@ -44,6 +44,9 @@ class Turn:
     started: float = field(default_factory=time.perf_counter)
     #: The pause the client reported before this turn: (kind, milliseconds).
     pause: tuple[str, float] | None = None
+    #: The client beats through the pause after this turn (``X-Kvturn-Heartbeats``): its
+    #: lease is the heartbeat lease.
+    heartbeats: bool = False
     #: The caller's tenant (``""`` on an open gateway): conversations are its own.
     tenant: str = ""
     #: For a turn of an implicit conversation: the digest of its messages, which its reply
