@@ -71,6 +71,7 @@ from typing import Any
 import httpx
 import orjson
 
+from kvturn.gateway.config import GatewayConfig
 from kvturn.wire import PREFILL_FOR_REMOTE_DECODE as PREFILL_PARAMS
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -851,8 +852,7 @@ def agent_main(args: argparse.Namespace) -> int:
     ) as state:  # fmt: skip
         warm = make_trace(99, 1, 2, args.tool_tokens, 0)
         asyncio.run(replay("recompute", warm, state, 0))  # compile shapes first
-        status = httpx.get(state["gateway"] + "/kvturn/status", timeout=10).json()["planner"]
-        lease = (status["lease_s"], status["heartbeat_lease_s"])
+        lease = (GatewayConfig.lease_s, GatewayConfig.heartbeat_lease_s)  # kvturn up's
         for repeat in range(args.repeats):
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 print(f"replaying: {mode} (repeat {repeat + 1})", flush=True)
