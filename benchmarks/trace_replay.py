@@ -190,13 +190,15 @@ async def run_turn(
     fixed_ttl: bool = False,
     salt: str | None = None,
     leases: dict[str, float] | None = None,
+    heartbeats: bool = False,
 ) -> tuple[float, float | None, str, int, int]:
     """One streamed turn in ``mode``: (TTFT, TPOT, text, prompt tokens, reused tokens).
 
     ``fixed_ttl``: the decode keeps the blocks ``ttl_s`` (upstream's fixed retention, told to
     kvturn's connector per request) instead of its own longest lease. ``salt``: the run's
-    ``cache_salt`` (recompute draws a fresh one every request). ``leases`` (kvturn): the turn
-    says its client beats through pauses, and the lease its answer states is kept here."""
+    ``cache_salt`` (recompute draws a fresh one every request). ``leases`` (kvturn): the lease
+    each turn's answer states, by conversation; ``heartbeats``: the turn says its client beats
+    through the pause after it."""
     body = {"model": state["model"], "messages": messages, "max_tokens": 16, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if mode == "recompute":
@@ -207,7 +209,7 @@ async def run_turn(
         body["cache_salt"] = salt
     if mode in ("recompute", "kvturn", "vllm-pd"):
         headers = {"X-Conversation-Id": cid} if mode == "kvturn" else {}
-        if mode == "kvturn" and leases is not None:
+        if mode == "kvturn" and heartbeats:
             headers["X-Kvturn-Heartbeats"] = "on"
         url = state["gateway"] + "/chat/completions"
         if mode == "vllm-pd":
@@ -649,9 +651,12 @@ async def agent_replay(
     kvturn: what ``kvturn.client`` does with the gateway's defaults: conversation ids, the
     header saying it beats through pauses (``X-Kvturn-Heartbeats: on``), its first beat of a
     pause at half the lease the turn's answer states, the next when each beat's answer says,
-    a release at the end unless abandoned. fixed-ttl-T: upstream's proxy against the engines,
+    a release at the end unless abandoned. kvturn-no-beats: a plain OpenAI client naming its
+    conversation: no beats, no release (its lease is what the gateway learned of the tenant's
+    gaps between turns). fixed-ttl-T: upstream's proxy against the engines,
     decode retention fixed at T s, never renewed, released or reclaimed."""
     ttl = fixed_ttl_of(mode)
+    beating = mode == "kvturn"
     proxy = ModeState()
     results: list[TurnResult] = []
     failed = beats = 0
@@ -668,7 +673,7 @@ async def agent_replay(
             began = time.monotonic()
             end = began + item.pause_s
             due = began + leases.get(cid, 0.0) / 2
-            while mode == "kvturn" and due < end:
+            while beating and due < end:
                 await asyncio.sleep(due - time.monotonic())
                 beat = {"pause_kind": item.pause_kind,
                         "paused_ms": int((time.monotonic() - began) * 1000)}  # fmt: skip
@@ -685,9 +690,10 @@ async def agent_replay(
             for t, item in enumerate(conv.turns):
                 try:
                     ttft, tpot, text, prompt, reused = await run_turn(
-                        "upstream-bidirectional" if ttl is not None else mode,
+                        "upstream-bidirectional" if ttl is not None
+                        else "kvturn" if mode.startswith("kvturn") else mode,
                         client, state, proxy, c, messages, cid, ttl or 0.0,
-                        fixed_ttl=True, leases=leases,
+                        fixed_ttl=True, leases=leases, heartbeats=beating,
                     )  # fmt: skip
                 except httpx.HTTPError:
                     failed += 1
@@ -701,7 +707,7 @@ async def agent_replay(
                 ]
                 if t + 1 < len(conv.turns):
                     await pause(cid, item)
-            if mode == "kvturn" and not conv.abandoned:
+            if beating and not conv.abandoned:
                 await client.delete(f"{gateway}/kvturn/conversations/{cid}")
 
         await asyncio.gather(*(conversation(c, conv) for c, conv in enumerate(trace)))
@@ -773,8 +779,11 @@ def agent_report(
         "says it beats, and per beat), driven as kvturn.client drives it: "
         "`X-Kvturn-Heartbeats: on`, the first beat of a pause at half the lease the turn's "
         "answer states, the next when each beat's answer says, a release at the end unless "
-        "abandoned; reclaim under pressure. fixed-ttl-T: upstream's bidirectional proxy, decode "
-        "retention fixed at T s, never renewed, released or reclaimed.",
+        "abandoned; reclaim under pressure. kvturn-no-beats: a plain OpenAI client naming its "
+        "conversation (no beats, no release): its lease is what the gateway learned of the "
+        "tenant's gaps between turns (`lease_s` until it has seen 8; the gateway runs through "
+        "every repeat, so it learns in the first). fixed-ttl-T: upstream's bidirectional proxy, "
+        "decode retention fixed at T s, never renewed, released or reclaimed.",
         "",
         "| mode | reuse rate (turns 2+) | decode KV block-seconds | least for that reuse | "
         "job | TTFT p50 | TTFT p90 | reclaimed leases | failed requests | "
@@ -812,40 +821,49 @@ def agent_report(
 
 
 def agent_verdict(runs: list[AgentRun], modes: list[str]) -> list[str]:
-    """kvturn against the cheapest fixed TTL that reuses at least as much (medians)."""
+    """Each kvturn mode against the cheapest fixed TTL that reuses at least as much (medians)."""
 
     def median(mode: str, what: Any) -> float:
         return statistics.median(what(run) for run in runs if run.mode == mode)
 
-    kv_reuse = median("kvturn", lambda run: run.reuse)
-    kv_cost = median("kvturn", lambda run: run.block_seconds)
-    kv_job = median("kvturn", lambda run: run.job_s)
     fixed = [m for m in modes if fixed_ttl_of(m) is not None]
-    matching = [m for m in fixed if median(m, lambda run: run.reuse) >= kv_reuse]
-    if not matching:
-        best = max(fixed, key=lambda m: median(m, lambda run: run.reuse))
-        return [
-            f"No fixed TTL reused as much as kvturn ({kv_reuse:.0%}); the closest, {best}, "
-            f"reused {median(best, lambda run: run.reuse):.0%} with "
-            f"{median(best, lambda run: run.block_seconds) / kv_cost:.2f}x kvturn's "
-            "block-seconds."
-        ]
-    cheapest = min(matching, key=lambda m: median(m, lambda run: run.block_seconds))
-    cost = median(cheapest, lambda run: run.block_seconds)
-    job = median(cheapest, lambda run: run.job_s)
-    return [
-        f"kvturn against the cheapest fixed TTL that reused at least as much ({cheapest}, "
-        f"{median(cheapest, lambda run: run.reuse):.0%} vs {kv_reuse:.0%}): decode "
-        f"block-seconds x{kv_cost / cost:.2f} (target <= 0.5), job x{kv_job / job:.2f} "
-        "(target <= 1)."
-    ]
+    lines = []
+    for kv in (m for m in modes if m.startswith("kvturn")):
+        kv_reuse = median(kv, lambda run: run.reuse)
+        kv_cost = median(kv, lambda run: run.block_seconds)
+        kv_job = median(kv, lambda run: run.job_s)
+        matching = [m for m in fixed if median(m, lambda run: run.reuse) >= kv_reuse]
+        if not matching:
+            best = max(fixed, key=lambda m: median(m, lambda run: run.reuse))
+            lines.append(
+                f"- {kv}: no fixed TTL reused as much ({kv_reuse:.0%}); the closest, {best}, "
+                f"reused {median(best, lambda run: run.reuse):.0%} with "
+                f"{median(best, lambda run: run.block_seconds) / kv_cost:.2f}x {kv}'s "
+                "block-seconds."
+            )
+            continue
+        cheapest = min(matching, key=lambda m: median(m, lambda run: run.block_seconds))
+        cost = median(cheapest, lambda run: run.block_seconds)
+        job = median(cheapest, lambda run: run.job_s)
+        lines.append(
+            f"- {kv} against the cheapest fixed TTL that reused at least as much ({cheapest}, "
+            f"{median(cheapest, lambda run: run.reuse):.0%} vs {kv_reuse:.0%}): decode "
+            f"block-seconds x{kv_cost / cost:.2f} (target <= 0.5), job x{kv_job / job:.2f} "
+            "(target <= 1)."
+        )
+    return lines
 
 
 def agent_main(args: argparse.Namespace) -> int:
     trace = make_agent_trace(
         args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
     )
-    modes = ["recompute", *(f"fixed-ttl-{t:g}" for t in args.fixed_ttls), "kvturn"]
+    modes = [
+        "recompute",
+        *(f"fixed-ttl-{t:g}" for t in args.fixed_ttls),
+        "kvturn",
+        "kvturn-no-beats",
+    ]
     runs: list[AgentRun] = []
     with local_pair(
         kv_ttl=int(max(120, *args.fixed_ttls)), decode_kv_blocks=args.decode_blocks

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvturn.pauses import LogNormal
 from kvturn.wire import EndReason, LeaseStats
 
 # vLLM appends "-<8 hex>" to every request id, and prefixes chat ids with "chatcmpl-" and
@@ -62,10 +63,11 @@ _KIND_RANK: dict[str, int] = {"user": 0, "unknown": 1, "tool": 2}
 
 
 class PauseModel:
-    """Online lognormal model of pause lengths, one per pause kind.
+    """Online lognormal model of pause lengths, one per pause kind
+    (:class:`~kvturn.pauses.LogNormal`).
 
     Each kind starts from a prior (weight ``prior_weight`` observations) and learns from every
-    observed pause (Welford on ``log(seconds)``).
+    observed pause; an absurd report moves it as far as one unusual pause.
     """
 
     #: Prior medians (s) and log-space spreads: tools return in seconds, users in a minute.
@@ -76,48 +78,24 @@ class PauseModel:
     }
 
     def __init__(self, prior_weight: float = 5.0):
-        self._stats: dict[str, list[float]] = {}
-        for kind, (median, sigma) in self.PRIORS.items():
-            mu = math.log(median)
-            # [n, mean, M2] with the prior as pseudo-observations.
-            self._stats[kind] = [prior_weight, mu, sigma * sigma * prior_weight]
-
-    #: An observation counts as at most this many (current) standard deviations from the mean,
-    #: in log space: one absurd report (a client's clock, a tenant's 1e308) moves the model as
-    #: far as one unusual pause, while a real shift still moves it, observation by observation.
-    CLIP_SIGMAS = 3.0
+        self._kinds = {
+            kind: LogNormal(median, sigma, prior_weight)
+            for kind, (median, sigma) in self.PRIORS.items()
+        }
 
     def observe(self, kind: str, seconds: float) -> None:
-        if kind not in self._stats or not math.isfinite(seconds) or seconds <= 0:
-            return
-        n, mean, m2 = self._stats[kind]
-        reach = self.CLIP_SIGMAS * max(math.sqrt(m2 / n), 0.05)
-        x = min(max(math.log(max(seconds, 1e-3)), mean - reach), mean + reach)
-        n += 1
-        delta = x - mean
-        mean += delta / n
-        m2 += delta * (x - mean)
-        self._stats[kind] = [n, mean, m2]
+        if kind in self._kinds:
+            self._kinds[kind].observe(seconds)
 
     def params(self, kind: str) -> tuple[float, float]:
         """``(mu, sigma)`` of ``log(seconds)`` for ``kind``."""
-        n, mean, m2 = self._stats.get(kind, self._stats["unknown"])
-        return mean, max(math.sqrt(m2 / n), 0.05)
+        model = self._kinds.get(kind, self._kinds["unknown"])
+        return model.mu, model.sigma
 
     def return_probability(self, kind: str, paused_s: float, horizon_s: float) -> float:
         """P(the pause ends within ``horizon_s`` | it has lasted ``paused_s`` so far)."""
-        mu, sigma = self.params(kind)
-
-        def cdf(t: float) -> float:
-            if t <= 0:
-                return 0.0
-            return 0.5 * math.erfc(-(math.log(t) - mu) / (sigma * math.sqrt(2)))
-
-        done = cdf(paused_s)
-        survival = 1.0 - done
-        if survival <= 1e-12:
-            return 0.0
-        return max(0.0, (cdf(paused_s + horizon_s) - done) / survival)
+        model = self._kinds.get(kind, self._kinds["unknown"])
+        return model.return_probability(paused_s, horizon_s)
 
 
 @dataclass(slots=True)

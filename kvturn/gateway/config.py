@@ -44,6 +44,10 @@ class GatewayConfig:
     #: any length, and a client that stops (crashed, gone) frees the KV this long after its
     #: last beat instead of ``lease_s``. At most ``lease_s``.
     heartbeat_lease_s: float = 10.0
+    #: A client that sends no heartbeats is leased for as long as its tenant's conversations
+    #: take to come back (learned from the gaps between their turns, at most ``lease_s``:
+    #: :mod:`kvturn.gateway.returns`); off: always ``lease_s``.
+    learned_lease: bool = True
     #: Do not try to claim a lease this close to its end (by the gateway's last word from the
     #: holder): the claim would likely find it gone. A successful claim holds the lease on the
     #: holder until prefill's read ends, so this only saves a round trip.
@@ -212,7 +216,8 @@ class GatewayConfig:
         ``KVTURN_OPERATOR_KEYS``)."""
         env: dict[str, object] = dict(base or {})
         typed: dict[str, Callable[[str], object]] = {
-            "lease_s": float, "heartbeat_lease_s": float, "expiry_margin_s": float,
+            "lease_s": float, "heartbeat_lease_s": float, "learned_lease": parse_flag,
+            "expiry_margin_s": float,
             "reuse_threshold_tokens": int,
             "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
             "max_body_bytes": int, "body_budget_bytes": int, "caller_body_budget_bytes": int,

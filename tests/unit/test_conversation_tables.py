@@ -107,6 +107,26 @@ async def test_a_turn_takes_the_kv_for_itself_alone(table: tuple[ConversationTab
     assert parallel.conversation.held_prompt_mark is None
 
 
+async def test_a_take_says_when_the_conversation_was_last_seen_before_it(
+    table: tuple[ConversationTable, Clock],
+) -> None:
+    """The gap a client paused for, from its last turn's record to its next turn's take
+    (what the gateway learns a tenant's lease length from: gateway/returns.py)."""
+    store, clock = table
+    first = await store.take("k", "conv", "turn-1")
+    assert first.conversation.last_seen == 0.0  # a new entry: no gap to learn from
+    clock.now += 0.5
+    await store.record("k", first.conversation.epoch, first.turn, _held("r1"))
+    recorded_at = clock.now
+    clock.now += 7.25
+    second = await store.take("k", "conv", "turn-2")
+    assert clock.now - second.conversation.last_seen == pytest.approx(7.25)
+    clock.now += 1.0
+    # This take is seen too: the next one's gap starts from it.
+    third = await store.take("k", "conv", "turn-3")
+    assert third.conversation.last_seen == pytest.approx(recorded_at + 7.25)
+
+
 async def test_parallel_takes_never_share_the_kv(table: tuple[ConversationTable, Clock]) -> None:
     store, _ = table
     first = await store.take("k", "conv", None)

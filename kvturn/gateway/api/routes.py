@@ -104,6 +104,7 @@ async def status(request: Request) -> Response:
             "shared_prefixes": config.shared_prefixes,
             "lease_s": config.lease_s,
             "heartbeat_lease_s": config.heartbeat_lease_s,
+            "learned_lease": config.learned_lease,
         },
         "costs": runner.context.costs.snapshot(),
     }

@@ -99,6 +99,8 @@ class Conversation:
 class Taken:
     """A turn's start: the conversation as it was when the turn took its KV off the table."""
 
+    #: Its ``last_seen`` is from before this take: when the previous turn recorded its KV (or a
+    #: heartbeat last came), so the gap since then is the client's pause.
     conversation: Conversation
     #: The turn's sequence number in the conversation (the fence its record passes).
     turn: int

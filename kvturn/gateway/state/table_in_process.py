@@ -53,10 +53,11 @@ class ConversationStore:
         found = self._items.get(key)
         if after_turn is not None and found is not None and found.recorded_turn > after_turn:
             return Taken(dataclasses.replace(found, settling=None), 0, False, moved_on=True)
+        seen_before = found.last_seen if found is not None else 0.0
         conversation = self.get_or_create(key, conversation_id)
         retry = self.note_turn(conversation, turn_id)
         conversation.turns += 1
-        taken = dataclasses.replace(conversation, settling=None)
+        taken = dataclasses.replace(conversation, settling=None, last_seen=seen_before)
         self.forget_kv(conversation)
         return Taken(taken, conversation.turns, retry)
 

@@ -1,7 +1,7 @@
 """What every collaborator of a turn shares: the configuration, the two pools, the engine
-client, the conversation table, the metrics, the lease client, the learned costs and the
-limits of decode-local turns; and the background work a turn leaves (freeing leases,
-recording replies), which the gateway lets finish when it stops."""
+client, the conversation table, the metrics, the lease client, the learned costs, the limits of
+decode-local turns and the learned lease lengths; and the background work a turn leaves
+(freeing leases, recording replies), which the gateway lets finish when it stops."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.planner import CostModel, LocalLimits
 from kvturn.gateway.pools import Instance, Pool
+from kvturn.gateway.returns import ReturnLeases
 from kvturn.gateway.state.table import ConversationTable
+from kvturn.gateway.turns.model import Turn
 
 
 @dataclass(slots=True, eq=False)
@@ -31,6 +33,8 @@ class TurnContext:
     leases: LeaseClient
     costs: CostModel
     limits: LocalLimits
+    #: Lease lengths for clients that send no heartbeats, learned per tenant.
+    returns: ReturnLeases
     #: Plan a turn that extends the held one from a bound on its new tokens (see
     #: :mod:`kvturn.gateway.extension`); off for good once a bound did not hold.
     bound_extensions: bool = True
@@ -56,7 +60,18 @@ class TurnContext:
             preference=config.local_preference,
         )
         leases = LeaseClient(upstream, config.control_secret)
-        return cls(config, prefill, decode, upstream, store, metrics, leases, CostModel(), limits)
+        returns = ReturnLeases(config.lease_s, enabled=config.learned_lease)
+        return cls(
+            config, prefill, decode, upstream, store, metrics, leases, CostModel(), limits, returns
+        )
+
+    def lease_for(self, turn: Turn) -> float:
+        """The lease to ask for the KV ``turn`` leaves: the heartbeat lease where its client
+        beats through the pause after it, else as long as its tenant's conversations take to
+        come back (:mod:`kvturn.gateway.returns`)."""
+        if turn.heartbeats:
+            return self.config.lease_for(heartbeats=True)
+        return self.returns.lease_for(turn.tenant)
 
     def background_task(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` off the response path (awaited for a while when the gateway stops)."""

@@ -96,7 +96,7 @@ class Decoder:
         params[CONVERSATION_KEY] = lease_under
         # The lease this decode grants (its connector cuts a longer one): the client plans its
         # heartbeats from what the header says, so it must never say more.
-        lease_s = instance.lease_s(self.context.config.lease_for(turn.heartbeats))
+        lease_s = instance.lease_s(self.context.lease_for(turn))
         params[LEASE_KEY] = lease_s
         if turn.pause is not None:
             params[PAUSE_KEY] = list(turn.pause)

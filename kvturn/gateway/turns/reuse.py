@@ -98,7 +98,20 @@ class ReuseStep:
         else:
             if taken is not None and taken.retry:
                 self.context.metrics.turn_retries.inc()
+            elif taken is not None and not turn.heartbeats:
+                self.observe_return(turn, taken)
         return taken
+
+    def observe_return(self, turn: Turn, taken: Taken) -> None:
+        """A conversation whose client sends no heartbeats came back: the gap since its last
+        turn recorded its KV teaches its tenant's lease length (:mod:`kvturn.gateway.returns`).
+        Only a gap after a recorded turn counts (not a parallel turn's, not a fork's)."""
+        previous = taken.conversation
+        if taken.fresh or taken.moved_on or previous.holder_url is None or previous.heartbeats:
+            return
+        if previous.last_seen > 0:
+            gap = self.context.store.clock() - previous.last_seen
+            self.context.returns.observe(turn.tenant, gap)
 
     async def implicit_conversation(self, turn: Turn) -> Indexed | None:
         """The recorded turn a chat request without an id extends, found by its messages

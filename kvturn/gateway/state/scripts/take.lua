@@ -1,7 +1,7 @@
 -- A turn starts: its KV comes off the table for this turn alone, and it gets its number.
 -- KEYS: entry, live-lease index, entry index. ARGV: conversation id, turn id ('' none), now,
 -- ttl ms, epoch, settle window s ('': take whatever is under way), the turn the request
--- extends ('': any). Returns the entry as it was, or {'settling', 1} (nothing changed) while a
+-- extends ('': any). Returns the entry as it was (its 'seen': before this take), or {'settling', 1} (nothing changed) while a
 -- reply marked within the window records, or the entry and {'moved', 1} (nothing changed)
 -- where it recorded a turn newer than the one the request extends (a fork).
 -- The retained KV's fields (what a take clears): holder, rid, held, digest, dtok, salt, mark,
@@ -32,9 +32,10 @@ if ARGV[2] ~= '' and last == ARGV[2] then
   retry = 1
   redis.call('HINCRBY', h, 'retries', 1)
 end
-redis.call('HSET', h, 'turn_id', ARGV[2], 'seen', ARGV[3])
+redis.call('HSET', h, 'turn_id', ARGV[2])
 local turn = redis.call('HINCRBY', h, 'turns', 1)
 local entry = redis.call('HGETALL', h)
+redis.call('HSET', h, 'seen', ARGV[3])
 redis.call('HDEL', h, 'holder', 'rid', 'held', 'digest', 'dtok', 'salt', 'mark',
              'expires')
 redis.call('PEXPIRE', h, ARGV[4])
