@@ -9,7 +9,10 @@ per conversation:
   ``max_lease_s``). A turn without a conversation is not leased at all (the connector frees its
   blocks at once). A newer turn of the same conversation supersedes the older lease.
 * **renew**: a heartbeat extends a live lease (never a lapsed one) and says what kind of pause
-  the conversation is in.
+  the conversation is in. A tool pause is extended for as long as beats come (the tool is
+  running); a user pause no further than the length within which ``user_coverage`` (95 %) of
+  users' pauses end, as learned: a client beats through a user's pause whether or not anyone
+  is still reading, and one that has lasted past that is unlikely to end soon.
 * **claim**: a prefill is about to read the lease; it cannot expire, be released or be
   reclaimed until the read ends (the blocks are single-use: the read frees them) or the claim
   times out.
@@ -97,6 +100,10 @@ class PauseModel:
         model = self._kinds.get(kind, self._kinds["unknown"])
         return model.return_probability(paused_s, horizon_s)
 
+    def quantile(self, kind: str, q: float) -> float:
+        """The length within which a share ``q`` of ``kind``'s pauses end."""
+        return self._kinds.get(kind, self._kinds["unknown"]).quantile(q)
+
 
 @dataclass(slots=True)
 class Lease:
@@ -147,6 +154,7 @@ class LeaseTable:
         guard_s: float = 2.0,
         pause_model: PauseModel | None = None,
         max_tombstones: int = 4096,
+        user_coverage: float = 0.95,
     ):
         self.clock = clock
         self.max_lease_s = max_lease_s
@@ -154,6 +162,7 @@ class LeaseTable:
         self.reclaim_horizon_s = reclaim_horizon_s
         self.guard_s = guard_s
         self.pauses = pause_model or PauseModel()
+        self.user_coverage = user_coverage
         self.counters = LeaseCounters()
         self._by_request: dict[str, Lease] = {}
         self._by_key: dict[str, Lease] = {}
@@ -281,7 +290,12 @@ class LeaseTable:
                 lease.pause_kind = pause_kind
             if paused_s is not None and math.isfinite(paused_s) and paused_s >= 0:
                 lease.paused_since = min(lease.paused_since, now - paused_s)
-            expires_at = max(lease.expires_at, now + self._bounded(lease_s))
+            extended = now + self._bounded(lease_s)
+            if lease.pause_kind == "user":
+                # No further than most users' pauses last (from when this one began).
+                longest = self.pauses.quantile("user", self.user_coverage)
+                extended = min(extended, lease.paused_since + longest)
+            expires_at = max(lease.expires_at, extended)
             if expires_at != lease.expires_at:
                 lease.expires_at = expires_at
                 self._deadlines[lease.request_id] = expires_at + self.guard_s

@@ -60,6 +60,35 @@ def test_a_lease_expires_unless_renewed_and_renewal_never_revives() -> None:
     assert table.stats().ended == {"expired": 1} and len(table) == 0
 
 
+def test_beats_keep_a_tool_pause_but_a_user_pause_only_as_long_as_users_return() -> None:
+    """A client beats through any pause. A tool pause is a tool still running: each beat
+    extends it. A user pause is extended no further than the length within which 95 % of
+    users' pauses end (learned); past it, the beats no longer hold the KV."""
+    clock = FakeClock()
+    pauses = PauseModel()
+    table = _table(clock, max_lease_s=600.0, pause_model=pauses)
+    _retain(table, 1, "tool", lease_s=10.0)
+    _retain(table, 2, "user", lease_s=10.0)
+    longest = pauses.quantile("user", 0.95)
+    assert 100 < longest < 400  # the prior: users read for a minute or so, some for minutes
+    for _ in range(int(longest // 5) + 20):
+        clock.now += 5
+        assert table.renew("r1", 10.0, "tool") is not None
+        table.renew("r2", 10.0, "user")
+    # 100 s past the user's horizon: the tool lease lives on, the user's lapsed at it.
+    assert table.get("r1") is not None and table.get("r1").expires_at == clock.now + 10  # type: ignore[union-attr]
+    assert table.get("r2") is None and table.gone_reason("r2") == "expired"
+    # Users of this deployment come back within seconds: the horizon follows them.
+    for _ in range(200):
+        pauses.observe("user", 4.0)
+    assert pauses.quantile("user", 0.95) < 10
+    _retain(table, 3, "quick", lease_s=10.0)
+    clock.now += 5
+    renewed = table.renew("r3", 10.0, "user")
+    # Extended no further than the pause's start plus that horizon, but never shortened.
+    assert renewed is not None and renewed.expires_at == clock.now + 5
+
+
 def test_lease_is_capped_by_what_the_engine_honours() -> None:
     clock = FakeClock()
     table = _table(clock, max_lease_s=30.0)

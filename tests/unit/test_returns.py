@@ -90,7 +90,7 @@ def test_the_gateway_learns_a_tenants_lease_from_its_conversations_gaps() -> Non
         config = GatewayConfig(
             prefill=endpoints([fake]), decode=endpoints([fake], [fake]), api_keys=keys
         )
-        with running_gateway(config) as gateway:
+        with running_gateway(config, learned_lease=True) as gateway:
 
             def turn(key: str, conversation: str, **headers: str) -> str:
                 headers.update(Authorization=f"Bearer {key}")
