@@ -52,7 +52,8 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/version", routes.engine_route, methods=["GET"]),
             Route("/tokenize", routes.engine_route, methods=["POST"]),
             Route("/detokenize", routes.engine_route, methods=["POST"]),
-            Route("/metrics", routes.metrics, methods=["GET"]),
+            # On a listen address of its own where one is set (create_metrics_app).
+            *([] if config.metrics_port else [Route("/metrics", routes.metrics, methods=["GET"])]),
             Route("/kvturn/status", routes.status, methods=["GET"]),
             # ``:path``: an id holds any character, ``/`` too (sent as %2F, which the server
             # decodes before routing: kvturn.control.path_segment).
@@ -64,20 +65,41 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route(conversations + "/{conversation_id:path}", routes.release, methods=["DELETE"]),
         ],
         lifespan=_lifespan,
-        middleware=[
-            # The access log outermost: a request refused for its key is logged too.
-            *([Middleware(AccessLog)] if config.access_log else []),
-            Middleware(
-                Authenticate,
-                keys=config.api_keys,
-                operator_keys=config.operator_keys,
-                guard_metrics=config.guard_metrics,
-            ),
-        ],
-        exception_handlers={
-            HTTPException: http_error,  # unknown route, wrong method
-            Exception: unexpected_error,
-        },
+        # With /metrics elsewhere, the path here is a route like no other (404 to anyone).
+        middleware=_middleware(config, config.guard_metrics and not config.metrics_port),
+        exception_handlers=_EXCEPTION_HANDLERS,
     )
     app.state.gateway = gateway
     return app
+
+
+def create_metrics_app(gateway_app: Starlette) -> Starlette:
+    """``/metrics`` of the gateway ``gateway_app`` serves, alone (``metrics_port``): the same
+    counts, keys and access log; no lifespan (the gateway's own app runs it)."""
+    gateway: Gateway = gateway_app.state.gateway
+    app = Starlette(
+        routes=[Route("/metrics", routes.metrics, methods=["GET"])],
+        middleware=_middleware(gateway.config, gateway.config.guard_metrics),
+        exception_handlers=_EXCEPTION_HANDLERS,
+    )
+    app.state.gateway = gateway
+    return app
+
+
+_EXCEPTION_HANDLERS = {
+    HTTPException: http_error,  # unknown route, wrong method
+    Exception: unexpected_error,
+}
+
+
+def _middleware(config: GatewayConfig, guard_metrics: bool) -> list[Middleware]:
+    return [
+        # The access log outermost: a request refused for its key is logged too.
+        *([Middleware(AccessLog)] if config.access_log else []),
+        Middleware(
+            Authenticate,
+            keys=config.api_keys,
+            operator_keys=config.operator_keys,
+            guard_metrics=guard_metrics,
+        ),
+    ]

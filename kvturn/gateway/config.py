@@ -148,6 +148,11 @@ class GatewayConfig:
     #: ``/metrics`` needs an operator's key; off, it is open, as vLLM's own is with
     #: ``--api-key`` (a Prometheus scrape needs no key).
     guard_metrics: bool = False
+    #: Serve ``/metrics`` on a listen address of its own (this port; ``metrics_host``, or the
+    #: gateway's host when empty) and not on the gateway's port, as vLLM's engines and routers
+    #: can: the scrape is reachable from the operators' network only. 0: on the gateway's port.
+    metrics_port: int = 0
+    metrics_host: str = ""
     #: One line per request on the ``kvturn.access`` logger (at INFO).
     access_log: bool = True
     #: The gateway's log level (one of ``LOG_LEVELS``) and format (``text`` or ``json``: one
@@ -232,7 +237,8 @@ class GatewayConfig:
             "implicit_conversations": parse_flag, "shared_prefixes": parse_flag, "state": str,
             "state_timeout_s": float,
             "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,
-            "guard_metrics": parse_flag, "access_log": parse_flag, "log_level": str.lower,
+            "guard_metrics": parse_flag, "metrics_port": int, "metrics_host": str,
+            "access_log": parse_flag, "log_level": str.lower,
             "log_format": str.lower,
         }  # fmt: skip
         for name, kind in typed.items():

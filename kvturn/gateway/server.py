@@ -29,7 +29,7 @@ import uvloop
 from starlette.applications import Starlette
 
 from kvturn.gateway.api.authenticate import head_admission
-from kvturn.gateway.app import create_app
+from kvturn.gateway.app import create_app, create_metrics_app
 from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http.server import HttpServer, ServerLimits
 from kvturn.gateway.metrics import MULTIPROC_DIR_ENV
@@ -55,7 +55,34 @@ def server_limits(config: GatewayConfig) -> ServerLimits:
         caller_body_budget_bytes=config.caller_body_budget_bytes,
         read_timeout_s=config.read_timeout_s,
         max_connections=config.max_connections,
+        admit=head_admission(
+            config.api_keys,
+            config.operator_keys,
+            config.guard_metrics and not config.metrics_port,  # else served elsewhere
+        ),
+    )
+
+
+def metrics_server(app: Starlette, host: str, *, reuse_port: bool = False) -> HttpServer | None:
+    """The listener of ``app``'s ``/metrics`` on an address of its own (``metrics_port``), if
+    the gateway has one: a scrape is a small GET, and its limits are a scrape's."""
+    config: GatewayConfig = app.state.gateway.config
+    if not config.metrics_port:
+        return None
+    limits = ServerLimits(
+        max_body_bytes=64 * 1024,
+        body_budget_bytes=1024 * 1024,
+        caller_body_budget_bytes=1024 * 1024,
+        read_timeout_s=10.0,
+        max_connections=64,
         admit=head_admission(config.api_keys, config.operator_keys, config.guard_metrics),
+    )
+    return HttpServer(
+        create_metrics_app(app),
+        config.metrics_host or host,
+        config.metrics_port,
+        limits=limits,
+        reuse_port=reuse_port,
     )
 
 
@@ -120,15 +147,21 @@ def serve(
 async def _serve_until_signalled(
     config: GatewayConfig, host: str, port: int, *, reuse_port: bool, ready: Any = None
 ) -> None:
-    server = HttpServer(
-        create_app(config), host, port, limits=server_limits(config), reuse_port=reuse_port
-    )
-    try:
-        await server.start()
-    except OSError as error:
-        if ready is not None:
-            ready.put(("error", os.getpid(), str(error)))
-        raise SystemExit(f"kvturn serve: cannot listen on {host}:{port}: {error}") from None
+    app = create_app(config)
+    server = HttpServer(app, host, port, limits=server_limits(config), reuse_port=reuse_port)
+    scrapes = metrics_server(app, host, reuse_port=reuse_port)
+    for listener in (server, scrapes):
+        if listener is None:
+            continue
+        try:
+            await listener.start()
+        except OSError as error:
+            if ready is not None:
+                ready.put(("error", os.getpid(), str(error)))
+            if listener is scrapes:
+                await server.stop(grace_s=0.0)
+            where = f"{listener.host}:{listener.port}"
+            raise SystemExit(f"kvturn serve: cannot listen on {where}: {error}") from None
     # What start-up made (modules, the app, pools) lives as long as the process: frozen, a
     # full collection no longer walks it while turns wait. Measured, one run each
     # (gateway_overhead's load, ~37k turns): full collections took 926 ms in all, up to 95 ms
@@ -141,10 +174,14 @@ async def _serve_until_signalled(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     logger.info("kvturn gateway listening on http://%s:%d (pid %d)", host, server.port, os.getpid())
+    if scrapes is not None:
+        logger.info("kvturn gateway /metrics on http://%s:%d", scrapes.host, scrapes.port)
     if ready is not None:
         ready.put(("ready", os.getpid(), ""))
     await stop.wait()
     logger.info("kvturn gateway stopping")
+    if scrapes is not None:
+        await scrapes.stop()
     await server.stop()
 
 
@@ -258,8 +295,9 @@ class GatewayThread:
         self.url = f"http://{host}:{port}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        #: The HTTP server, once the thread runs.
+        #: The HTTP server, once the thread runs; and ``/metrics``'s own, if it has one.
         self.server: HttpServer | None = None
+        self.metrics_server = metrics_server(self.app, host)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvturn-gateway", daemon=True)
@@ -269,10 +307,16 @@ class GatewayThread:
 
     async def _main(self) -> None:
         server = self.server = HttpServer(self.app, self.host, self.port, limits=self.limits)
+        started = False
         try:
             await server.start()
+            started = True
+            if self.metrics_server is not None:
+                await self.metrics_server.start()
         except BaseException as error:
             self._error = error
+            if started:
+                await server.stop(grace_s=0.0)
             self._ready.set()
             return
         self._loop = asyncio.get_running_loop()
@@ -281,6 +325,8 @@ class GatewayThread:
         try:
             await self._stop.wait()
         finally:
+            if self.metrics_server is not None:
+                await self.metrics_server.stop(grace_s=1.0)
             await server.stop(grace_s=5.0)
 
     def start(self, timeout_s: float = 30.0) -> GatewayThread:

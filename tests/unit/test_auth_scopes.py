@@ -17,7 +17,12 @@ from kvturn import control
 from kvturn.gateway.api.authenticate import Authenticate
 from kvturn.gateway.auth import ApiKeys, OperatorKeys
 from kvturn.gateway.config import GatewayConfig, endpoints
-from tests.gateway_fixtures import running_fake_engine, running_gateway, vllm_auth_middleware
+from tests.gateway_fixtures import (
+    free_port,
+    running_fake_engine,
+    running_gateway,
+    vllm_auth_middleware,
+)
 
 KEY = "sk-caller-0123456789abcdef"
 OPERATOR = "sk-operator-0123456789abcdef"
@@ -139,6 +144,37 @@ def test_each_route_wants_its_scopes_key(
         assert set(_statuses(url, operator_routes, allowed).values()) == {200}
         if not guard_metrics:  # vLLM's scope: a Prometheus scrape needs no key
             assert _statuses(url, [METRICS], None) == {"GET /metrics": 200}
+
+
+@pytest.mark.parametrize("guard_metrics", [False, True], ids=["metrics-open", "metrics-guarded"])
+def test_metrics_on_a_listen_address_of_their_own(fake_url: str, guard_metrics: bool) -> None:
+    """``metrics_port``: /metrics is served there (the same counts, the same key rule) and
+    no longer on the gateway's port, which tenants reach (issue 39: scrapes)."""
+    metrics_port = free_port()
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]),
+        decode=endpoints([fake_url], [fake_url]),
+        api_keys=ApiKeys([(KEY, "alpha")]),
+        operator_keys=OperatorKeys([OPERATOR]),
+        guard_metrics=guard_metrics,
+        metrics_port=metrics_port,
+    )
+    with running_gateway(config) as gateway:
+        turn = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
+                          headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        assert turn.status_code == 200
+        for key in (None, KEY, OPERATOR):
+            assert _statuses(gateway.url, [METRICS], key) == {"GET /metrics": 404}
+        scrapes = f"http://127.0.0.1:{metrics_port}"
+        allowed = _statuses(scrapes, [METRICS], OPERATOR)
+        assert allowed == {"GET /metrics": 200}
+        anonymous = _statuses(scrapes, [METRICS], None)
+        assert anonymous == {"GET /metrics": 401 if guard_metrics else 200}
+        # Only the scrape is served there.
+        assert _statuses(scrapes, [CALLERS[0]], KEY) == {"POST /v1/chat/completions": 404}
+        assert _statuses(scrapes, [STATUS], OPERATOR) == {"GET /kvturn/status": 404}
+        text = httpx.get(scrapes + "/metrics", headers={"Authorization": f"Bearer {OPERATOR}"})
+        assert 'kvturn_turns_total{plan="recompute"} 1.0' in text.text
 
 
 def test_operator_keys_alone_guard_the_status_route_of_an_open_gateway(fake_url: str) -> None:

@@ -72,6 +72,11 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "transfer": (str, "pull (decode reads from prefill) or push (prefill writes to decode)"),
     "push_write_timeout_s": (float, "push: seconds decode may await pushed KV (then alone)"),
     "guard_metrics": (parse_flag, "on/off: /metrics needs an operator key (default off, as vLLM)"),
+    "metrics_port": (
+        int,
+        "serve /metrics on this port instead of the gateway's (0, the default: the gateway's)",
+    ),
+    "metrics_host": (str, "the address of --metrics-port (default: the gateway's --host)"),
 }
 #: Settings of the gateway's logs, flags of ``kvturn serve`` and ``kvturn up`` alike.
 LOG_SETTINGS = ("access_log", "log_level", "log_format")
