@@ -781,9 +781,10 @@ def agent_report(
         "`X-Kvturn-Heartbeats: on`, the first beat of a pause at half the lease the turn's "
         "answer states, the next when each beat's answer says, a release at the end unless "
         "abandoned; reclaim under pressure. kvturn-no-beats: a plain OpenAI client naming its "
-        "conversation (no beats, no release): its lease is what the gateway learned of the "
-        "tenant's gaps between turns (`lease_s` until it has seen 8; the gateway runs through "
-        "every repeat, so it learns in the first). fixed-ttl-T: upstream's bidirectional proxy, "
+        "conversation (no beats, no release): its lease is `lease_s`, or with "
+        "`KVTURN_LEARNED_LEASE=on` what the gateway learned of the tenant's gaps between turns "
+        "(`lease_s` until it has seen 8; the gateway runs through every repeat, so it learns in "
+        "the first). fixed-ttl-T: upstream's bidirectional proxy, "
         "decode retention fixed at T s, never renewed, released or reclaimed.",
         "",
         "| mode | reuse rate (turns 2+) | decode KV block-seconds | least for that reuse | "

@@ -118,13 +118,8 @@ def local_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
         # the prefill engine's own, computed from scratch. `kvturn up` keeps it on by default.
         "--no-prefill-prefix-cache",
     ]  # fmt: skip
-    # The session's gateway leases for its whole lease_s: a learned lease (gateway/returns.py)
-    # follows the gaps between turns, and the session's many quick turns would teach it the 5 s
-    # floor, which a test that computes a reference answer between two turns may outlast.
-    # Learned leases have tests of their own (tests/unit/test_returns.py).
-    env = {**os.environ, "KVTURN_LEARNED_LEASE": "off"}
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while not state_file.exists():
         if process.poll() is not None:

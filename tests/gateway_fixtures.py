@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import socket
 from collections.abc import Iterator
@@ -121,13 +120,8 @@ def running_redis() -> Iterator[RedisServer]:
 
 
 @contextlib.contextmanager
-def running_gateway(config: GatewayConfig, learned_lease: bool = False) -> Iterator[GatewayThread]:
-    """A gateway with ``config`` on a free loopback port, for one test.
-
-    Its leases are ``lease_s`` (or the heartbeat lease) unless ``learned_lease``: a learned
-    lease follows the gaps between turns (gateway/returns.py), and a test's quick turns would
-    teach it the 5 s floor, which a reference answer computed between two turns may outlast."""
-    config = dataclasses.replace(config, learned_lease=learned_lease)
+def running_gateway(config: GatewayConfig) -> Iterator[GatewayThread]:
+    """A gateway with ``config`` on a free loopback port, for one test."""
     gateway = GatewayThread(config, port=free_port()).start()
     try:
         yield gateway

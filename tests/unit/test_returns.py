@@ -88,9 +88,12 @@ def test_the_gateway_learns_a_tenants_lease_from_its_conversations_gaps() -> Non
     keys = ApiKeys([("key-a-0123456789ab", "a"), ("key-b-0123456789ab", "b")])
     with running_fake_engine() as fake:
         config = GatewayConfig(
-            prefill=endpoints([fake]), decode=endpoints([fake], [fake]), api_keys=keys
+            prefill=endpoints([fake]),
+            decode=endpoints([fake], [fake]),
+            api_keys=keys,
+            learned_lease=True,
         )
-        with running_gateway(config, learned_lease=True) as gateway:
+        with running_gateway(config) as gateway:
 
             def turn(key: str, conversation: str, **headers: str) -> str:
                 headers.update(Authorization=f"Bearer {key}")
