@@ -1,9 +1,10 @@
 -- A turn starts: its KV comes off the table for this turn alone, and it gets its number.
 -- KEYS: entry, live-lease index, entry index. ARGV: conversation id, turn id ('' none), now,
 -- ttl ms, epoch, settle window s ('': take whatever is under way), the turn the request
--- extends ('': any). Returns the entry as it was (its 'seen': before this take), or {'settling', 1} (nothing changed) while a
--- reply marked within the window records, or the entry and {'moved', 1} (nothing changed)
--- where it recorded a turn newer than the one the request extends (a fork).
+-- extends ('': any). Returns the entry as it was (its 'seen': before this take), or
+-- {'settling', 1} (nothing changed) while a reply marked within the window records, or the
+-- entry and {'moved', 1} (nothing changed) where it recorded a turn newer than the one the
+-- request extends (a fork).
 -- The retained KV's fields (what a take clears): holder, rid, held, digest, dtok, salt, mark,
 -- expires.
 local h = KEYS[1]
