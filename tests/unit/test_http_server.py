@@ -162,6 +162,30 @@ def test_oversized_bodies_are_refused_with_413(gateway: tuple[str, int]) -> None
         assert read_response(sock, bytearray())[0] == 413
 
 
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_client_still_sending_a_refused_body_reads_the_refusal(
+    gateway: tuple[str, int], framing: str
+) -> None:
+    """Refused mid-body (413 here; a caller past its body budget gets 429 the same way), the
+    client may still be sending: the connection closes lingering, its bytes read and dropped,
+    so the client finishes sending and reads the answer instead of a reset (a reset is a
+    connection error to the SDKs, not the 413 or 429 they act on)."""
+    body = b"x" * (16 * 1024 * 1024)  # far more than the socket buffers between us hold
+    if framing == "content-length":
+        request = post(body)
+    else:
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+            b"\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
+    with connect(gateway) as sock:
+        sock.sendall(request)  # a reset would raise here
+        status, _, answer = read_response(sock, bytearray())
+        assert status == 413
+        assert orjson.loads(answer)["error"]["code"] == "request_too_large"
+        assert closed_by_peer(sock)
+
+
 def test_oversized_head_is_refused_with_431(gateway: tuple[str, int]) -> None:
     with connect(gateway) as sock:
         sock.sendall(post(extra=f"x-big: {'y' * 70_000}\r\n"))

@@ -25,6 +25,9 @@ logger = logging.getLogger("kvturn.gateway")
 _MAX_PIPELINED = 16  # parsed requests queued per connection before reading pauses
 _WRITE_HIGH_WATER = 256 * 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: After refusing a request whose body was still coming, how long the client may go on sending
+#: it (read and dropped) before the connection closes.
+_LINGER_S = 2.0
 
 
 #: What a request's head says about it, before its body is read (:attr:`ServerLimits.admit`).
@@ -83,6 +86,8 @@ class Connection(asyncio.Protocol):
         self.writer = ReplyWriter(self.loop)
         self.closed = False
         self.refused = False  # stop parsing: the connection ends after the queued replies
+        #: Refused while its body was still coming: close lingering (:meth:`_close`).
+        self.linger = False
         self.pending: collections.deque[Request] = collections.deque()
         self.worker: asyncio.Task[None] | None = None
         self.busy = False
@@ -215,7 +220,8 @@ class Connection(asyncio.Protocol):
         for name, value in request.headers:
             if name == b"content-length":
                 if value.isdigit() and int(value) > self.limits.max_body_bytes:
-                    self._refuse(413, f"request body is larger than {self.limits.max_body_bytes}")
+                    too_large = f"request body is larger than {self.limits.max_body_bytes}"
+                    self._refuse(413, too_large, linger=True)
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_continue = True
@@ -240,17 +246,19 @@ class Connection(asyncio.Protocol):
         if self._dropped is not None:
             self._dropped += len(body)
             if self._dropped > self.limits.max_body_bytes:
-                self._refuse(413, f"request body is larger than {self.limits.max_body_bytes}")
+                too_large = f"request body is larger than {self.limits.max_body_bytes}"
+                self._refuse(413, too_large, linger=True)
             return
         self._body_bytes += len(body)
         over = self.host.budget.take(self._budget_key, len(body))
         if self._body_bytes > self.limits.max_body_bytes:
-            self._refuse(413, f"request body is larger than {self.limits.max_body_bytes}")
+            too_large = f"request body is larger than {self.limits.max_body_bytes}"
+            self._refuse(413, too_large, linger=True)
             return
         if over is not None:
             # Bodies being read or served are bounded, one caller's and all together: past
             # either a request is turned away (429 or 503: the SDKs retry both), not buffered.
-            self._refuse(over)
+            self._refuse(over, linger=True)
             return
         self._body.append(body)
 
@@ -273,12 +281,14 @@ class Connection(asyncio.Protocol):
         if self._head_bytes > self.limits.max_head_bytes and not self.refused:
             self._refuse(431, f"request head is larger than {self.limits.max_head_bytes} bytes")
 
-    def _refuse(self, error: GatewayError | int, message: str = "") -> None:
+    def _refuse(self, error: GatewayError | int, message: str = "", linger: bool = False) -> None:
         """Answer ``error`` (or a ``status`` and ``message``: :func:`refusal`) after the
         replies already queued, then close: the rest of what the client sent cannot be
-        trusted to start a request."""
+        trusted to start a request. ``linger``: the refused body is still coming
+        (:meth:`_close`)."""
         error = refusal(error, message) if isinstance(error, int) else error
         self.refused = True
+        self.linger = linger
         self.host.budget.give_back(self._budget_key, self._body_bytes)
         self._body_bytes = 0
         self.transport.pause_reading()
@@ -309,7 +319,7 @@ class Connection(asyncio.Protocol):
                     self.host.budget.give_back(request.budget_key, request.held)
                     request.held = 0
                 if not request.keep_alive or self.host.stopping or (self._eof and not self.pending):
-                    self.transport.close()
+                    self._close()
                     return
                 if len(self.pending) < _MAX_PIPELINED and not self.refused:
                     self.transport.resume_reading()
@@ -321,6 +331,21 @@ class Connection(asyncio.Protocol):
             self.worker = None
             if not self.transport.is_closing():
                 self._arm_idle_timer()
+
+    def _close(self) -> None:
+        """Close after the last reply. After a refusal mid-body, a lingering close (as nginx
+        and Apache do it): the client may still be sending the body, and closing with its
+        bytes unread would reset the connection, so that it never reads the answer (a 413 or
+        429 the SDKs act on) and sees a connection error instead. So: close this side, drop
+        what still comes (``data_received`` reads nothing once refused) for up to
+        ``_LINGER_S``, then close; sooner if the client closes its side."""
+        transport = self.transport
+        if self.linger and not self._eof and not self.host.stopping and transport.can_write_eof():
+            transport.write_eof()
+            transport.resume_reading()
+            self.loop.call_later(_LINGER_S, transport.close)
+            return
+        transport.close()
 
     # -- idle connections ---------------------------------------------------------------------
 
