@@ -29,6 +29,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.ops.cli import build_parser
 from kvturn.gateway.ops.config_file import load_deployment
 from kvturn.gateway.ops.launch.engines import EngineSpec
@@ -561,6 +562,36 @@ def test_monitors_select_the_gateway_and_the_engines(chart: helm_python.Chart) -
     assert sorted(selected) == [f"{RELEASE}-decode", f"{RELEASE}-prefill"]
     # Off by default.
     assert not [o for o in Rendered(chart, {}, "x").objects if o["kind"] in MONITORS]
+
+
+def test_metrics_on_a_port_of_their_own_reach_the_gateway_and_the_scrapers(
+    chart: helm_python.Chart, tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    """``gateway.metricsPort``: the gateway serves /metrics there (its deployment file says
+    so, as ``kvturn serve`` loads it), and the pod's port, its scrape annotations, the
+    Service and the ServiceMonitor all point at it; the turns' port is left to callers."""
+    values = {
+        "gateway": {"metricsPort": 9400},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    }
+    rendered = Rendered(chart, values, "x")
+    gateway = rendered.one("Deployment", "gateway")
+    container = _container(gateway)
+    assert _port(container, "metrics") == 9400 and _port(container, "http") == 8000
+    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9400"
+    service = rendered.one("Service", "gateway")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["metrics"] == {"name": "metrics", "port": 9400, "targetPort": "metrics"}
+    (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics"
+    deployment = load_deployment(rendered.gateway_file(tmp_path))
+    config = GatewayConfig.from_env(base={**deployment.gateway, **deployment.endpoints()})
+    assert (config.metrics_port, config.metrics_host, deployment.port) == (9400, "", 8000)
+    # Without it, /metrics stays on the gateway's port, as before.
+    plain = Rendered(chart, {}, "x")
+    assert {p["name"] for p in plain.one("Service", "gateway")["spec"]["ports"]} == {"http"}
+    assert "metrics_port" not in plain.one("ConfigMap", "gateway")["data"]["deploy.toml"]
 
 
 def test_existing_secrets_make_the_rendering_reproducible(chart: helm_python.Chart) -> None:
