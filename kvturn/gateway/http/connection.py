@@ -86,8 +86,7 @@ class Connection(asyncio.Protocol):
         self.writer = ReplyWriter(self.loop)
         self.closed = False
         self.refused = False  # stop parsing: the connection ends after the queued replies
-        #: Refused while its body was still coming: close lingering (:meth:`_close`).
-        self.linger = False
+        self.linger = False  # refused while its body was still coming: close_lingering()
         self.pending: collections.deque[Request] = collections.deque()
         self.worker: asyncio.Task[None] | None = None
         self.busy = False
@@ -220,8 +219,7 @@ class Connection(asyncio.Protocol):
         for name, value in request.headers:
             if name == b"content-length":
                 if value.isdigit() and int(value) > self.limits.max_body_bytes:
-                    too_large = f"request body is larger than {self.limits.max_body_bytes}"
-                    self._refuse(413, too_large, linger=True)
+                    self._refuse(_too_large(self.limits), linger=True)
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_continue = True
@@ -246,14 +244,12 @@ class Connection(asyncio.Protocol):
         if self._dropped is not None:
             self._dropped += len(body)
             if self._dropped > self.limits.max_body_bytes:
-                too_large = f"request body is larger than {self.limits.max_body_bytes}"
-                self._refuse(413, too_large, linger=True)
+                self._refuse(_too_large(self.limits), linger=True)
             return
         self._body_bytes += len(body)
         over = self.host.budget.take(self._budget_key, len(body))
         if self._body_bytes > self.limits.max_body_bytes:
-            too_large = f"request body is larger than {self.limits.max_body_bytes}"
-            self._refuse(413, too_large, linger=True)
+            self._refuse(_too_large(self.limits), linger=True)
             return
         if over is not None:
             # Bodies being read or served are bounded, one caller's and all together: past
@@ -284,8 +280,7 @@ class Connection(asyncio.Protocol):
     def _refuse(self, error: GatewayError | int, message: str = "", linger: bool = False) -> None:
         """Answer ``error`` (or a ``status`` and ``message``: :func:`refusal`) after the
         replies already queued, then close: the rest of what the client sent cannot be
-        trusted to start a request. ``linger``: the refused body is still coming
-        (:meth:`_close`)."""
+        trusted to start a request. ``linger``: its body is still coming (close_lingering)."""
         error = refusal(error, message) if isinstance(error, int) else error
         self.refused = True
         self.linger = linger
@@ -319,7 +314,10 @@ class Connection(asyncio.Protocol):
                     self.host.budget.give_back(request.budget_key, request.held)
                     request.held = 0
                 if not request.keep_alive or self.host.stopping or (self._eof and not self.pending):
-                    self._close()
+                    if self.linger and not self._eof and not self.host.stopping:
+                        close_lingering(self.transport, self.loop)
+                    else:
+                        self.transport.close()
                     return
                 if len(self.pending) < _MAX_PIPELINED and not self.refused:
                     self.transport.resume_reading()
@@ -331,21 +329,6 @@ class Connection(asyncio.Protocol):
             self.worker = None
             if not self.transport.is_closing():
                 self._arm_idle_timer()
-
-    def _close(self) -> None:
-        """Close after the last reply. After a refusal mid-body, a lingering close (as nginx
-        and Apache do it): the client may still be sending the body, and closing with its
-        bytes unread would reset the connection, so that it never reads the answer (a 413 or
-        429 the SDKs act on) and sees a connection error instead. So: close this side, drop
-        what still comes (``data_received`` reads nothing once refused) for up to
-        ``_LINGER_S``, then close; sooner if the client closes its side."""
-        transport = self.transport
-        if self.linger and not self._eof and not self.host.stopping and transport.can_write_eof():
-            transport.write_eof()
-            transport.resume_reading()
-            self.loop.call_later(_LINGER_S, transport.close)
-            return
-        transport.close()
 
     # -- idle connections ---------------------------------------------------------------------
 
@@ -387,6 +370,24 @@ def _address(value: Any) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return str(value[0]), int(value[1])
     return None
+
+
+def close_lingering(transport: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Close a connection refused mid-body (as nginx and Apache do it): the client may still
+    be sending the body, and closing with its bytes unread would reset the connection, so that
+    it never reads the answer (a 413 or 429 the SDKs act on) and sees a connection error
+    instead. So: close this side, drop what still comes (``data_received`` reads nothing once
+    refused) for up to ``_LINGER_S``, then close; sooner if the client closes its side."""
+    if not transport.can_write_eof():
+        transport.close()
+        return
+    transport.write_eof()
+    transport.resume_reading()
+    loop.call_later(_LINGER_S, transport.close)
+
+
+def _too_large(limits: ServerLimits) -> GatewayError:
+    return refusal(413, f"request body is larger than {limits.max_body_bytes}")
 
 
 def refusal(status: int, message: str) -> GatewayError:
