@@ -46,9 +46,9 @@ class GatewayConfig:
     heartbeat_lease_s: float = 10.0
     #: A client that sends no heartbeats is leased for as long as its tenant's conversations
     #: take to come back (learned from the gaps between their turns, at most ``lease_s``:
-    #: :mod:`kvturn.gateway.returns`); off (the default): always ``lease_s``. Off until the
-    #: decode stalls it exposed under memory pressure are understood (README, "A lease as long
-    #: as it needs to be").
+    #: :mod:`kvturn.gateway.returns`); off (the default): always ``lease_s``. Off until decode's
+    #: connector counts what a turn whose lease lapsed needs from the free pool (README, "A
+    #: lease as long as it needs to be").
     learned_lease: bool = False
     #: Do not try to claim a lease this close to its end (by the gateway's last word from the
     #: holder): the claim would likely find it gone. A successful claim holds the lease on the

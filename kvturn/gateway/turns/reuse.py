@@ -98,7 +98,7 @@ class ReuseStep:
         else:
             if taken is not None and taken.retry:
                 self.context.metrics.turn_retries.inc()
-            elif taken is not None and not turn.heartbeats:
+            elif taken is not None and not turn.heartbeats and self.context.returns.enabled:
                 self.observe_return(turn, taken)
         return taken
 
