@@ -77,3 +77,19 @@ class BlockUsage:
                     refs[block] = count
                 else:
                     del refs[block]
+
+
+def local_turn_blocks(
+    num_tokens: int, num_computed_tokens: int, block_size: int, leased: bool
+) -> int:
+    """Free blocks a waiting decode-local turn draws on: the blocks its prefix cache does not
+    cover, and, once its conversation's lease has ended, the covered ones too.
+
+    A live lease keeps the hit blocks referenced, so reusing them takes nothing from vLLM's
+    free pool. Once the lease lapsed they sit in that pool as cached blocks, and the prefix hit
+    takes them from it like new ones. Asking only for the uncovered blocks then undercounts the
+    turn's need: measured on the agent trace (``benchmarks/trace_replay.py --preset agent``,
+    learned leases), the connector saw 12 free blocks against an ask of 3, reclaimed nothing,
+    and the turn waited up to 22 s, until other leases lapsed on their own."""
+    need = num_tokens if not leased else num_tokens - num_computed_tokens
+    return -(-max(0, need) // block_size)

@@ -268,6 +268,12 @@ class LeaseTable:
                     return None
                 self._lock.wait(remaining)
 
+    def holds(self, conversation: str) -> bool:
+        """Whether ``conversation`` has a live lease (its blocks are kept referenced)."""
+        with self._lock:
+            lease = self._by_conversation.get(conversation)
+            return lease is not None and lease.ending is None and lease.expires_at > self.clock()
+
     def gone_reason(self, key: str) -> str:
         with self._lock:
             lease = self._by_key.get(key)

@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlConnector
 from vllm.v1.request import RequestStatus
 
-from kvturn.connector.block_usage import BlockUsage
+from kvturn.connector.block_usage import BlockUsage, local_turn_blocks
 from kvturn.connector.control_server import ControlServer, control_secret
 from kvturn.connector.engine_pacing import IdlePacer, cap_worker_spin_window
 from kvturn.connector.leases import LeaseTable, publication_key
@@ -223,9 +223,12 @@ class KvturnConnectorBase(NixlBaseConnector):
             # A decode request about to get its blocks: if it does not, it waits for memory.
             self._asked[request.request_id] = -(-request.num_tokens // self._block_size)
         elif params and params.get(CONVERSATION_KEY) and not params.get("do_remote_decode"):
-            # A decode-local turn: it needs blocks for what its prefix cache does not cover.
-            missing = request.num_tokens - num_computed_tokens
-            self._asked[request.request_id] = -(-missing // self._block_size)
+            self._asked[request.request_id] = local_turn_blocks(
+                request.num_tokens,
+                num_computed_tokens,
+                self._block_size,
+                self.leases.holds(str(params[CONVERSATION_KEY])),
+            )
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from kvturn.connector.block_usage import BlockUsage
+from kvturn.connector.block_usage import BlockUsage, local_turn_blocks
 from kvturn.connector.control_server import ControlServer
 from kvturn.connector.leases import LeaseTable, PauseModel, publication_key
 from kvturn.wire import EngineIdentity
@@ -222,6 +222,27 @@ def test_block_usage_counts_shared_blocks_once() -> None:
     assert usage.used() == 5
     usage.drop_all(["req-b", "lease:req-a", "missing"])
     assert usage.used() == 0 and usage.free() == 100
+
+
+def test_a_local_turn_whose_lease_lapsed_asks_for_its_cached_blocks_too() -> None:
+    """While its conversation's lease lives, a decode-local turn's prefix hit is held by the
+    lease and it asks only for the rest; once the lease lapsed, the hit blocks come from the
+    free pool, so it asks for every block of its prompt (else pressure reclaims nothing and the
+    turn waits for leases to lapse on their own)."""
+    clock = FakeClock()
+    table = _table(clock)
+    _retain(table, 1, "a", lease_s=10.0)
+    assert table.holds("a") and not table.holds("b")
+    # 1,000 tokens, 896 of them (7 blocks of 128) a prefix-cache hit.
+    asked = local_turn_blocks(1000, 896, 128, table.holds("a"))
+    assert asked == 1
+    clock.now += 10.0
+    assert not table.holds("a")
+    assert local_turn_blocks(1000, 896, 128, table.holds("a")) == 8
+    _retain(table, 2, "a", lease_s=10.0)
+    assert table.holds("a")
+    assert table.release("r2") and not table.holds("a")
+    assert local_turn_blocks(1000, 1000, 128, leased=True) == 0
 
 
 @pytest.fixture
