@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -774,7 +775,7 @@ def _spread(values: list[float], fmt: str) -> str:
 
 def agent_report(
     runs: list[AgentRun], modes: list[str], trace: list[AgentConversation],
-    args: argparse.Namespace, lease: tuple[float, float],
+    args: argparse.Namespace, lease: tuple[float, float, bool],
 ) -> str:  # fmt: skip
     turns = sum(len(c.turns) for c in trace)
     repeats = len(runs) // len(modes)
@@ -796,13 +797,14 @@ def agent_report(
         f"a release. Every mode {repeats} times, interleaved (the order reversed each repeat); "
         "each cell is the median (min-max).",
         "",
-        f"kvturn: the gateway's defaults (lease {lease[0]:g} s; {lease[1]:g} s for a client that "
-        "says it beats, and per beat), driven as kvturn.client drives it: "
+        f"kvturn: the gateway as `kvturn up` runs it (lease {lease[0]:g} s; {lease[1]:g} s for "
+        "a client that says it beats, and per beat; learned leases "
+        f"{'on' if lease[2] else 'off'}), driven as kvturn.client drives it: "
         "`X-Kvturn-Heartbeats: on`, the first beat of a pause at half the lease the turn's "
         "answer states, the next when each beat's answer says, a release at the end unless "
         "abandoned; reclaim under pressure. kvturn-no-beats: a plain OpenAI client naming its "
-        "conversation (no beats, no release): its lease is `lease_s`, or with "
-        "`KVTURN_LEARNED_LEASE=on` what the gateway learned of the tenant's gaps between turns "
+        "conversation (no beats, no release): its lease is `lease_s`, or with learned leases "
+        "on what the gateway learned of the tenant's gaps between turns "
         "(`lease_s` until it has seen 8; the gateway runs through every repeat, so it learns in "
         "the first). fixed-ttl-T: upstream's bidirectional proxy, "
         "decode retention fixed at T s, never renewed, released or reclaimed; a pull that fails "
@@ -880,7 +882,29 @@ def agent_verdict(runs: list[AgentRun], modes: list[str]) -> list[str]:
             f"block-seconds x{kv_cost / cost:.2f} (target <= 0.5), job x{kv_job / job:.2f} "
             "(target <= 1)."
         )
+        curve = sorted(
+            (median(m, lambda run: run.reuse), median(m, lambda run: run.block_seconds))
+            for m in fixed
+        )
+        at = curve_at(curve, kv_reuse)
+        if at is not None:
+            lines.append(
+                f"  On the fixed-TTL curve (reuse against block-seconds, joined by straight "
+                f"lines) {kv_reuse:.0%} reuse costs {at:,.0f} block-seconds: {kv} holds "
+                f"x{kv_cost / at:.2f} of that."
+            )
     return lines
+
+
+def curve_at(curve: list[tuple[float, float]], reuse: float) -> float | None:
+    """Block-seconds of the fixed-TTL curve (points ``(reuse, block-seconds)``, sorted) at
+    ``reuse``, joining neighbouring points by straight lines; ``None`` outside the curve."""
+    for (r0, b0), (r1, b1) in itertools.pairwise(curve):
+        if r0 <= reuse <= r1:
+            return b0 if r1 == r0 else b0 + (b1 - b0) * (reuse - r0) / (r1 - r0)
+    if curve and curve[-1][0] == reuse:
+        return curve[-1][1]
+    return None
 
 
 def agent_main(args: argparse.Namespace) -> int:
@@ -899,7 +923,8 @@ def agent_main(args: argparse.Namespace) -> int:
     ) as state:  # fmt: skip
         warm = make_trace(99, 1, 2, args.tool_tokens, 0)
         asyncio.run(replay("recompute", warm, state, 0))  # compile shapes first
-        lease = (GatewayConfig.lease_s, GatewayConfig.heartbeat_lease_s)  # kvturn up's
+        gateway = GatewayConfig.from_env()  # kvturn up's, KVTURN_* settings included
+        lease = (gateway.lease_s, gateway.heartbeat_lease_s, gateway.learned_lease)
         for repeat in range(args.repeats):
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 print(f"replaying: {mode} (repeat {repeat + 1})", flush=True)

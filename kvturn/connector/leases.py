@@ -231,8 +231,6 @@ class LeaseTable:
                     self._after_claim.remove(lease)
                     if lease.request_id in self._by_request:
                         self._deadlines[lease.request_id] = now - 1.0
-            if not self._deadlines:
-                return {}
             deadlines, self._deadlines = self._deadlines, {}
             return deadlines
 
@@ -243,10 +241,9 @@ class LeaseTable:
             lease = self._by_request.pop(request_id, None)
             if lease is None:
                 return None
-            now = self.clock()
             if lease.ending is not None:
                 reason: EndReason = lease.ending
-            elif now >= lease.expires_at - 1e-3:
+            elif self.clock() >= lease.expires_at - 1e-3:
                 reason = "expired"
             else:
                 reason = "read"
@@ -347,15 +344,9 @@ class LeaseTable:
             return []
         with self._lock:
             now = self.clock()
-            candidates = [
-                lease
-                for lease in self._by_request.values()
-                if lease.reclaimable and lease.ending is None and lease.claimed_until <= now
-            ]
-            candidates.sort(key=lambda lease: self._keep_score(lease, now))
             taken: list[Lease] = []
             freed = 0
-            for lease in candidates:
+            for lease in self._reclaim_candidates(now):
                 if freed >= blocks_needed:
                     break
                 self._end(lease, "reclaimed", now)
@@ -366,13 +357,16 @@ class LeaseTable:
     def reclaim_order(self) -> list[str]:
         """Keys of reclaimable leases in the order :meth:`reclaim` would take them."""
         with self._lock:
-            now = self.clock()
-            live = [
-                lease
-                for lease in self._by_request.values()
-                if lease.reclaimable and lease.ending is None and lease.claimed_until <= now
-            ]
-            return [lease.key for lease in sorted(live, key=lambda x: self._keep_score(x, now))]
+            return [lease.key for lease in self._reclaim_candidates(self.clock())]
+
+    def _reclaim_candidates(self, now: float) -> list[Lease]:
+        """Leases pressure may take, least likely to return soon first (lock held)."""
+        live = [
+            lease
+            for lease in self._by_request.values()
+            if lease.reclaimable and lease.ending is None and lease.claimed_until <= now
+        ]
+        return sorted(live, key=lambda lease: self._keep_score(lease, now))
 
     def _keep_score(self, lease: Lease, now: float) -> tuple[int, float]:
         kind = lease.pause_kind

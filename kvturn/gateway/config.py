@@ -43,13 +43,11 @@ class GatewayConfig:
     #: and every heartbeat's renewal: its client beats at about half this through a pause of
     #: any length, and a client that stops (crashed, gone) frees the KV this long after its
     #: last beat instead of ``lease_s``. At most ``lease_s``.
-    heartbeat_lease_s: float = 10.0
+    heartbeat_lease_s: float = 5.0
     #: A client that sends no heartbeats is leased for as long as its tenant's conversations
     #: take to come back (learned from the gaps between their turns, at most ``lease_s``:
-    #: :mod:`kvturn.gateway.returns`); off (the default): always ``lease_s``. Off until decode's
-    #: connector counts what a turn whose lease lapsed needs from the free pool (README, "A
-    #: lease as long as it needs to be").
-    learned_lease: bool = False
+    #: :mod:`kvturn.gateway.returns`); off: always ``lease_s``.
+    learned_lease: bool = True
     #: Do not try to claim a lease this close to its end (by the gateway's last word from the
     #: holder): the claim would likely find it gone. A successful claim holds the lease on the
     #: holder until prefill's read ends, so this only saves a round trip.

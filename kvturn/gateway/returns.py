@@ -4,10 +4,10 @@ conversations take to come back, learned from the gaps the gateway sees between 
 A client that beats through its pauses gets the short heartbeat lease and keeps its KV as long
 as it beats (``GatewayConfig.heartbeat_lease_s``). A client that does not (a plain OpenAI
 client naming its conversation, AIPerf, vllm-router's users) can only be given a lease that
-spans its whole pause: ``lease_s`` (60 s); with ``GatewayConfig.learned_lease`` on (off by
-default: README, "A lease as long as it needs to be"), ``lease_s`` until its tenant's gaps are
-known, then the length within which :attr:`ReturnLeases.COVERAGE` (95 %) of them end, plus a
-margin for the turn's own way to the KV, bounded by ``[FLOOR_S, lease_s]``. An agent that
+spans its whole pause. With ``GatewayConfig.learned_lease`` on (the default) that is
+``lease_s`` (60 s) until its tenant's gaps are known, then the length within which
+:attr:`ReturnLeases.COVERAGE` (95 %) of them end, plus a margin for the turn's own way to the
+KV, bounded by ``[FLOOR_S, lease_s]``; off, always ``lease_s``. An agent that
 comes back within two seconds is no longer leased for a minute after it stopped for good, and
 one whose user reads for forty seconds still finds its KV.
 

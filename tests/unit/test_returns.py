@@ -114,4 +114,5 @@ def test_the_gateway_learns_a_tenants_lease_from_its_conversations_gaps() -> Non
             assert learned[: ReturnLeases.MIN_GAPS] == [60.0] * ReturnLeases.MIN_GAPS, leases
             assert ReturnLeases.FLOOR_S <= learned[-1] < 10, leases
             assert turn("key-b-0123456789ab", "other") == "60"
-            assert turn("key-a-0123456789ab", "beats", **{"X-Kvturn-Heartbeats": "on"}) == "10"
+            beats = turn("key-a-0123456789ab", "beats", **{"X-Kvturn-Heartbeats": "on"})
+            assert float(beats) == config.heartbeat_lease_s

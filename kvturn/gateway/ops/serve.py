@@ -20,7 +20,7 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "learned_lease": (
         parse_flag,
         "on/off: a client that sends no heartbeats is leased as long as its tenant's "
-        "conversations take to come back (5 s to lease_s; default off)",
+        "conversations take to come back (5 s to lease_s; default on)",
     ),
     "expiry_margin_s": (float, "never reuse KV this close to its expiry, seconds"),
     "reuse_threshold_tokens": (int, "reuse only when at least this many tokens are held"),

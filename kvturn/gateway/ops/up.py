@@ -252,7 +252,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up.add_argument("--lease-s", type=float, default=None, help="conversation lease, seconds")
     up.add_argument(
         "--heartbeat-lease-s", type=float, default=None,
-        help="lease of a conversation whose client sends heartbeats, seconds (default 10)",
+        help="lease of a conversation whose client sends heartbeats, seconds (default 5)",
     )  # fmt: skip
     up.add_argument(
         "--transfer", choices=("pull", "push"), default="pull",
