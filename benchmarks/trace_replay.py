@@ -231,16 +231,15 @@ async def run_turn(
         params = cached[0]
     prefill_body = {k: v for k, v in body.items() if k != "stream_options"}
     prefill_body.update(max_tokens=1, stream=False, kv_transfer_params=params)
-    response = await client.post(state["prefill"][0] + "/v1/chat/completions", json=prefill_body)
+    prefill_url = state["prefill"][0] + "/v1/chat/completions"
+    response = await client.post(prefill_url, json=prefill_body)
     if fixed_ttl and params is not PREFILL_PARAMS and response.status_code >= 500:
         # The blocks were freed before prefill read them (the TTL ran out on the way):
         # upstream's proxy would fail the turn; one that retries as a plain recompute, as a
         # user would add, serves it.
         proxy.retried += 1
         prefill_body["kv_transfer_params"] = PREFILL_PARAMS
-        response = await client.post(
-            state["prefill"][0] + "/v1/chat/completions", json=prefill_body
-        )
+        response = await client.post(prefill_url, json=prefill_body)
     response.raise_for_status()
     p = response.json()
     reused = int((p["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -775,7 +774,7 @@ def _spread(values: list[float], fmt: str) -> str:
 
 def agent_report(
     runs: list[AgentRun], modes: list[str], trace: list[AgentConversation],
-    args: argparse.Namespace, lease: tuple[float, float, bool],
+    args: argparse.Namespace, gateway: GatewayConfig,
 ) -> str:  # fmt: skip
     turns = sum(len(c.turns) for c in trace)
     repeats = len(runs) // len(modes)
@@ -797,9 +796,9 @@ def agent_report(
         f"a release. Every mode {repeats} times, interleaved (the order reversed each repeat); "
         "each cell is the median (min-max).",
         "",
-        f"kvturn: the gateway as `kvturn up` runs it (lease {lease[0]:g} s; {lease[1]:g} s for "
-        "a client that says it beats, and per beat; learned leases "
-        f"{'on' if lease[2] else 'off'}), driven as kvturn.client drives it: "
+        f"kvturn: the gateway as `kvturn up` runs it (lease {gateway.lease_s:g} s; "
+        f"{gateway.heartbeat_lease_s:g} s for a client that says it beats, and per beat; learned "
+        f"leases {'on' if gateway.learned_lease else 'off'}), driven as kvturn.client drives it: "
         "`X-Kvturn-Heartbeats: on`, the first beat of a pause at half the lease the turn's "
         "answer states, the next when each beat's answer says, a release at the end unless "
         "abandoned; reclaim under pressure. kvturn-no-beats: a plain OpenAI client naming its "
@@ -924,12 +923,11 @@ def agent_main(args: argparse.Namespace) -> int:
         warm = make_trace(99, 1, 2, args.tool_tokens, 0)
         asyncio.run(replay("recompute", warm, state, 0))  # compile shapes first
         gateway = GatewayConfig.from_env()  # kvturn up's, KVTURN_* settings included
-        lease = (gateway.lease_s, gateway.heartbeat_lease_s, gateway.learned_lease)
         for repeat in range(args.repeats):
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 print(f"replaying: {mode} (repeat {repeat + 1})", flush=True)
                 runs.append(asyncio.run(agent_replay(mode, trace, state)))
-    text = agent_report(runs, modes, trace, args, lease)
+    text = agent_report(runs, modes, trace, args, gateway)
     (RESULTS / f"{args.output or AGENT_RESULTS}.md").write_text(text)
     print(text)
     return 0
