@@ -25,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import orjson
 
-from kvturn.gateway.congestion import LoopLag
+from kvturn.gateway.congestion import BulkLane
 from kvturn.gateway.errors import GatewayError, UpstreamError
 from kvturn.gateway.replies import Reply, ReplyStream
 
@@ -60,31 +60,60 @@ def batched_prompts(path: str, body: dict[str, Any]) -> list[Any] | None:
 BATCH_WINDOW = 32
 
 
-def windowed(
+async def windowed(
     serving: Sequence[Coroutine[Any, Any, Reply]],
     window: int = BATCH_WINDOW,
-    lag: LoopLag | None = None,
-) -> list[Coroutine[Any, Any, Reply]]:
-    """``serving``, at most ``window`` of them under way at once (non-streamed replies), and
-    while the loop runs late (``lag``) only one (:mod:`.congestion`)."""
-    slots = asyncio.Semaphore(max(1, window))
-    one_at_a_time = asyncio.Lock()
+    lane: BulkLane | None = None,
+) -> list[Reply | BaseException]:
+    """Each of ``serving``'s replies (or what it raised), in order: at most ``window`` under
+    way at once, each in its turn in the gateway's ``lane`` (:mod:`.congestion`).
 
-    async def one(work: Coroutine[Any, Any, Reply]) -> Reply:
-        async with slots:
-            if lag is None or not lag.late:
-                return await work
-            try:
-                await one_at_a_time.acquire()
-            except asyncio.CancelledError:
-                work.close()
-                raise
-            try:
-                return await work
-            finally:
-                one_at_a_time.release()
+    ``window`` workers serve the prompts one after another: a task per prompt, all made at
+    once, would put every other caller's next step behind the batch's first steps."""
+    replies: list[Reply | BaseException] = [_NOT_SERVED] * len(serving)
+    pending = iter(enumerate(serving))
 
-    return [one(work) for work in serving]
+    async def worker() -> None:
+        for position, work in pending:
+            try:
+                async with _in(lane, work):
+                    replies[position] = await work
+            except Exception as error:
+                replies[position] = error
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(max(1, window), len(serving)))]
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for each in workers:
+            each.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        for _, work in pending:
+            work.close()  # never started
+        raise
+    return replies
+
+
+#: A prompt's place in :func:`windowed`'s answer before it has its reply.
+_NOT_SERVED = GatewayError("the prompt was not served")
+
+
+@contextlib.asynccontextmanager
+async def _in(lane: BulkLane | None, work: Coroutine[Any, Any, Reply]) -> AsyncIterator[None]:
+    """A place in ``lane`` (if any) for ``work``, until the block ends; ``work`` closed
+    unstarted if it is called off while it waits."""
+    if lane is None:
+        yield
+        return
+    try:
+        await lane.acquire()
+    except asyncio.CancelledError:
+        work.close()
+        raise
+    try:
+        yield
+    finally:
+        lane.release()
 
 
 async def serve_batch(
@@ -93,18 +122,18 @@ async def serve_batch(
     stream: bool,
     choices_per_prompt: int,
     window: int = BATCH_WINDOW,
-    lag: LoopLag | None = None,
+    lane: BulkLane | None = None,
 ) -> Reply:
     """Serve every prompt (``serving``, in the batch's order), at most ``window`` at once,
-    and merge their replies into one.
+    and merge their replies into one, each prompt in its turn in the gateway's ``lane``.
 
     A prompt that fails fails the batch, as the engine would refuse it whole: of a streamed
     batch, the prompts of the first window are answered before the reply starts; one after
     them that fails ends the stream with an error event, as vLLM ends a stream that failed."""
     if not stream:
-        replies = await asyncio.gather(*windowed(serving, window, lag), return_exceptions=True)
+        replies = await windowed(serving, window, lane)
         return _merged(replies, choices_per_prompt)
-    prompts = PromptWindow(serving, window, lag)
+    prompts = PromptWindow(serving, window, lane)
     try:
         first = await asyncio.gather(*(prompts.reply(i) for i in range(min(window, len(prompts)))))
     except BaseException:
@@ -176,16 +205,14 @@ class PromptWindow:
         self,
         serving: Sequence[Coroutine[Any, Any, Reply]],
         window: int,
-        lag: LoopLag | None = None,
+        lane: BulkLane | None = None,
     ):
         loop = asyncio.get_running_loop()
         self._serving = list(serving)
         self._slots = asyncio.Semaphore(max(1, window))
-        #: While the loop runs late, no prompt starts while another of the batch waits for
-        #: its reply (a stream that has begun holds its place, not the loop's time).
-        self._lag = lag
-        self._awaiting = 0
-        self._none_awaiting = asyncio.Event()
+        #: A prompt holds its place in the gateway's lane until its reply begins (a stream
+        #: being relayed holds its place in the window, not in the lane).
+        self._lane = lane
         self._replies: list[asyncio.Future[Reply | BaseException]] = [
             loop.create_future() for _ in self._serving
         ]
@@ -212,10 +239,6 @@ class PromptWindow:
     async def _open(self) -> None:
         for work, answer in zip(self._serving, self._replies, strict=True):
             await self._slots.acquire()
-            if self._lag is not None and self._lag.late and self._awaiting:
-                self._none_awaiting.clear()
-                await self._none_awaiting.wait()
-            self._awaiting += 1
             self._tasks.append(asyncio.create_task(self._serve(work, answer)))
 
     async def _serve(
@@ -223,17 +246,14 @@ class PromptWindow:
     ) -> None:
         outcome: Reply | BaseException
         try:
-            outcome = await work
+            async with _in(self._lane, work):
+                outcome = await work
         except asyncio.CancelledError:
             self._slots.release()
             answer.cancel()
             raise
         except Exception as error:
             outcome = error
-        finally:
-            self._awaiting -= 1
-            if not self._awaiting:
-                self._none_awaiting.set()
         if isinstance(outcome, Reply) and outcome.stream is not None:
             outcome.stream = _Held(outcome.stream, self._slots.release)
         else:

@@ -100,7 +100,8 @@ class Gateway:
         self._sweeper = asyncio.create_task(self._sweep_forever())
         self._learner = asyncio.create_task(self._learn_decodes())
         # How late the loop runs: batches yield to the other callers' work while it is late.
-        self._lag = asyncio.create_task(self.runner.context.lag.watch())
+        context = self.runner.context
+        self._lag = asyncio.create_task(context.lag.watch(context.lane))
 
     async def _learn_decodes(self) -> None:
         """Each decode's block size and KV bytes per token, from its connector (for the

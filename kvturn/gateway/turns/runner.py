@@ -79,7 +79,7 @@ class TurnRunner:
                 stream=turn.stream,
                 choices_per_prompt=int(turn.body.get("n") or 1),
                 window=turn.window,
-                lag=self.context.lag,
+                lane=self.context.lane,
             )
         return await self.serve(turn, await self.reuse.take(turn))
 
