@@ -18,6 +18,7 @@ from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.http.upstream import Upstream, UpstreamUnavailable
 from kvturn.gateway.metrics import GatewayMetrics
 from kvturn.gateway.pools import Pool, check_health_forever
+from kvturn.gateway.scrapes import Scrape
 from kvturn.gateway.state.stores import open_state
 from kvturn.gateway.turns.runner import TurnRunner
 from kvturn.wire import BLOCK_SIZE_KEY, KV_BYTES_PER_TOKEN_KEY, MAX_LEASE_KEY
@@ -68,6 +69,9 @@ class Gateway:
         #: Stored Responses API responses, for ``previous_response_id`` and ``GET``.
         self.responses = self.state.responses
         self.models: list[dict[str, Any]] = []
+        #: ``/metrics`` and ``/kvturn/status``, each rendered afresh a bounded number of
+        #: times a second (:mod:`.scrapes`).
+        self.scrapes = {"metrics": Scrape(), "status": Scrape()}
         self._health: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None

@@ -9,6 +9,7 @@ import contextlib
 import os
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -22,6 +23,7 @@ from kvturn.gateway.http.upstream import UpstreamUnavailable
 from kvturn.gateway.instance import Gateway
 from kvturn.gateway.responses.objects import deleted
 from kvturn.gateway.responses.translate import not_found
+from kvturn.gateway.scrapes import Rendered
 
 
 def _gateway(request: Request) -> Gateway:
@@ -53,13 +55,17 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gateway = _gateway(request)
-    # Counted here, at scrape time (O(table)), never per turn.
+    return _response(await gateway.scrapes["metrics"].answer(lambda: _metrics(gateway)))
+
+
+async def _metrics(gateway: Gateway) -> Rendered:
+    # Counted here, at scrape time: O(1) (the table keeps its counts as entries change).
     with contextlib.suppress(StateUnavailable):  # counted as a state error; no gauge
         entries, live = await gateway.store.counts()
         gateway.metrics.conversations.set(entries)
         gateway.metrics.live_conversations.set(live)
     await _scrape_decode_leases(gateway)
-    return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+    return Rendered(200, gateway.metrics.render(), "text/plain; version=0.0.4")
 
 
 async def status(request: Request) -> Response:
@@ -67,6 +73,14 @@ async def status(request: Request) -> Response:
     planner's settings and the costs it has learned. Aggregates only, no conversation's
     data."""
     gateway = _gateway(request)
+    return _response(await gateway.scrapes["status"].answer(lambda: _status(gateway)))
+
+
+def _response(rendered: Rendered) -> Response:
+    return Response(rendered.body, rendered.status, media_type=rendered.media_type)
+
+
+async def _status(gateway: Gateway) -> Rendered:
     runner = gateway.runner
     engines = []
     for role, pool in (("prefill", gateway.prefill), ("decode", gateway.decode)):
@@ -108,7 +122,7 @@ async def status(request: Request) -> Response:
         },
         "costs": runner.context.costs.snapshot(),
     }
-    return JSONResponse(body)
+    return Rendered(200, orjson.dumps(body), "application/json")
 
 
 async def heartbeat(request: Request) -> Response:
