@@ -278,8 +278,18 @@ def slow_streams(stop: Stop) -> None:
                 client.post("/v1/chat/completions", json=body)
 
 
+def spinning(stop: Stop) -> None:
+    """The machine's floor, not an attack: a thread of a process that only computes, never
+    reaching the gateway. Four of them (as four attackers' threads) take a core and switch
+    among themselves; on a machine of 2 cores what that costs A is what any busy neighbour
+    costs it, whatever the gateway does."""
+    while not stop.is_set():
+        sum(range(10_000))
+
+
 #: (case, attack, attacker threads).
 GATEWAY_CASES: list[tuple[str, Attack, int]] = [
+    ("floor: a process of 4 busy threads, no requests", spinning, 4),
     ("1. stalled 32 MiB bodies, no key", stalled_bodies(None), 4),
     ("1. stalled 32 MiB bodies, tenant B's key", stalled_bodies(KEY_B), 4),
     ("2. batches of 256 and 2,000 prompts", batches, 4),
@@ -449,7 +459,9 @@ def main() -> int:
         "`isolation_16cores.md` is from then). On a machine of 2 cores the gateway, the fake "
         "engine and both callers' processes share them: an attack that keeps a process busy "
         "takes CPU time from the gateway's own loop and from A's client, whatever the gateway "
-        "schedules (`scripts/device_isolation.sh` runs it on 16 cores). No "
+        "schedules (`scripts/device_isolation.sh` runs it on 16 cores); the first row is no "
+        "attack but that floor: a process of 4 threads that only compute and never reach "
+        "the gateway, as the attackers' 4 threads would take a core. No "
         "vLLM P/D baseline applies: this measures how the gateway keeps tenants apart "
         "(keys, per-tenant limits, its own HTTP edge) in front of a fake engine; "
         "vllm-router has no tenants or per-caller limits to compare, and no engine does work "

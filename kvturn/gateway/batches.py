@@ -15,7 +15,9 @@ are merged back into exactly what one engine answers for the batch:
 
 Prompts are served through a window (:data:`BATCH_WINDOW`, or fewer where the caller has
 fewer engine requests left: :mod:`.callers`): a batch of 256 never opens 256 engine requests
-at once. Streams are relayed prompt after prompt: the engines compute the window's prompts at
+at once. Every batch's prompts, of every tenant, also take turns in the gateway's one lane
+(:class:`~.congestion.BulkLane`), which narrows while the event loop runs late: batches yield
+the loop to every caller's turns. Streams are relayed prompt after prompt: the engines compute the window's prompts at
 once, and the client matches chunks to prompts by ``index``, as it must for vLLM's interleaved
 stream too.
 """
