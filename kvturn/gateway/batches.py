@@ -17,9 +17,9 @@ Prompts are served through a window (:data:`BATCH_WINDOW`, or fewer where the ca
 fewer engine requests left: :mod:`.callers`): a batch of 256 never opens 256 engine requests
 at once. Every batch's prompts, of every tenant, also take turns in the gateway's one lane
 (:class:`~.congestion.BulkLane`), which narrows while the event loop runs late: batches yield
-the loop to every caller's turns. Streams are relayed prompt after prompt: the engines compute the window's prompts at
-once, and the client matches chunks to prompts by ``index``, as it must for vLLM's interleaved
-stream too.
+the loop to every caller's turns. Streams are relayed prompt after prompt: the engines compute
+the window's prompts at once, and the client matches chunks to prompts by ``index``, as it must
+for vLLM's interleaved stream too.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvturn.gateway.auth import ApiKeys, OperatorKeys
+from kvturn.gateway.validation import MAX_BATCH_PROMPTS
 from kvturn.wire import CONTROL_SECRET_ENV
 
 #: A file of API keys (``key tenant`` per line); ``KVTURN_API_KEYS`` holds more inline.
@@ -103,6 +104,10 @@ class GatewayConfig:
     #: ``BATCH_WINDOW`` a batch of prompts (fewer where fewer are left); a request that finds
     #: none left gets a 429 with ``Retry-After``. 0: no limit. Counted per gateway process.
     caller_engine_requests_in_flight: int = 512
+    #: Prompts one completion request may carry (a batch: an engine request each, through
+    #: a window), 1 to ``validation.MAX_BATCH_PROMPTS`` (256, the most the gateway serves);
+    #: past it, a 400 naming ``prompt``.
+    caller_batch_prompts: int = MAX_BATCH_PROMPTS
     #: A request (head and body) must arrive whole this soon after its first byte, or it
     #: gets a 408 and its connection is closed (a client trickling it holds nothing long).
     read_timeout_s: float = 60.0
@@ -189,6 +194,11 @@ class GatewayConfig:
                 "caller_requests_in_flight and caller_engine_requests_in_flight must be >= 0 "
                 "(0: no limit)"
             )
+        if not 1 <= self.caller_batch_prompts <= MAX_BATCH_PROMPTS:
+            raise ValueError(
+                f"caller_batch_prompts must be 1 to {MAX_BATCH_PROMPTS}, not "
+                f"{self.caller_batch_prompts}"
+            )
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be positive, not {self.lease_s}")
         if not self.heartbeat_lease_s > 0 or not math.isfinite(self.heartbeat_lease_s):
@@ -227,6 +237,7 @@ class GatewayConfig:
             "max_conversations": int, "max_responses": int, "responses_ttl_s": float,
             "max_body_bytes": int, "body_budget_bytes": int, "caller_body_budget_bytes": int,
             "caller_requests_in_flight": int, "caller_engine_requests_in_flight": int,
+            "caller_batch_prompts": int,
             "read_timeout_s": float,
             "max_connections": int,
             "connect_timeout_s": float,

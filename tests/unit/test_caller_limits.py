@@ -207,6 +207,27 @@ def test_one_tenants_batches_cannot_take_every_engine_request(fake_url: str) -> 
         assert _post(gateway, KEY_A, _chat()).status_code == 200
 
 
+def test_a_deployment_caps_the_prompts_of_one_request(fake_url: str) -> None:
+    """``caller_batch_prompts`` 4: a batch of 4 is served, one of 5 gets a 400 naming
+    ``prompt`` and reaches no engine; nothing stays held for it."""
+    config = _config(fake_url, caller_batch_prompts=4)
+    with running_gateway(config) as gateway:
+        four = {"model": "fake", "prompt": [f"p{i}" for i in range(4)]}
+        assert _completions(_post(gateway, KEY_A, four, path="/v1/completions")) == list(range(4))
+        served = fake_engine.COUNTS["prefill"]
+        five = {"model": "fake", "prompt": [f"p{i}" for i in range(5)]}
+        refused = _post(gateway, KEY_A, five, path="/v1/completions")
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "prompt" and "at most 4 prompts" in error["message"]
+        assert fake_engine.COUNTS["prefill"] == served
+        assert _held(gateway, "alpha") == (0, 0)
+    with pytest.raises(ValueError, match="caller_batch_prompts"):
+        GatewayConfig(caller_batch_prompts=257)
+    with pytest.raises(ValueError, match="caller_batch_prompts"):
+        GatewayConfig(caller_batch_prompts=0)
+
+
 def test_a_streamed_batch_opens_at_most_a_window_of_engine_requests(fake_url: str) -> None:
     """A streamed batch of 40 prompts opened 40 engine requests at once; now at most
     ``BATCH_WINDOW``. The reply is what one engine streams for the batch: every prompt's
@@ -255,9 +276,13 @@ def test_limits_are_set_by_flag_variable_or_file(
     config = serve_settings(args)[0]
     assert (config.caller_requests_in_flight, config.caller_engine_requests_in_flight) == (9, 3)
     up = build_parser().parse_args(
-        ["up", "--caller-requests-in-flight", "5", "--caller-engine-requests-in-flight", "6"]
-    )
+        ["up", "--caller-requests-in-flight", "5", "--caller-engine-requests-in-flight", "6",
+         "--caller-batch-prompts", "16"]
+    )  # fmt: skip
     assert (up.caller_requests_in_flight, up.caller_engine_requests_in_flight) == (5, 6)
+    assert up.caller_batch_prompts == 16
+    monkeypatch.setenv("KVTURN_CALLER_BATCH_PROMPTS", "8")
+    assert GatewayConfig.from_env().caller_batch_prompts == 8
     defaults = GatewayConfig()
     assert defaults.caller_requests_in_flight == defaults.caller_engine_requests_in_flight == 512
     with pytest.raises(ValueError, match="caller_requests_in_flight"):

@@ -121,6 +121,13 @@ async def serve_turn(
             if given is None:
                 given = responses.conversation_id or None
         check_request(path, body)
+        if prompts and len(prompts) > gateway.config.caller_batch_prompts:
+            limit = gateway.config.caller_batch_prompts
+            raise InvalidRequest(
+                f"Invalid 'prompt': at most {limit} prompts in one request here, not "
+                f"{len(prompts)}.",
+                param="prompt",
+            )
         conversation_id = _conversation_id(given, body)
         turn_id = headers.get(h.TURN_ID)
         if turn_id is not None and len(turn_id) > 128:

@@ -8,6 +8,7 @@ import ipaddress
 from collections.abc import Callable
 
 from kvturn.gateway.config import LOG_FORMATS, LOG_LEVELS, GatewayConfig, endpoints, parse_flag
+from kvturn.gateway.validation import MAX_BATCH_PROMPTS
 
 #: Gateway settings that ``kvturn serve`` takes as flags (each also has a KVTURN_* variable).
 _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
@@ -39,6 +40,10 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
         int,
         "engine requests one tenant's turns and batches may hold at once (429 past it; "
         "0: no limit)",
+    ),
+    "caller_batch_prompts": (
+        int,
+        f"prompts one completion request may carry, 1 to {MAX_BATCH_PROMPTS} (400 past it)",
     ),
     "read_timeout_s": (float, "a request must arrive whole this soon, seconds (else 408)"),
     "max_connections": (int, "client connections open at once (503 past it)"),
@@ -81,7 +86,11 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
 #: Settings of the gateway's logs, flags of ``kvturn serve`` and ``kvturn up`` alike.
 LOG_SETTINGS = ("access_log", "log_level", "log_format")
 #: What one tenant may have in flight: flags of ``kvturn serve`` and ``kvturn up`` alike.
-CALLER_LIMITS = ("caller_requests_in_flight", "caller_engine_requests_in_flight")
+CALLER_LIMITS = (
+    "caller_requests_in_flight",
+    "caller_engine_requests_in_flight",
+    "caller_batch_prompts",
+)
 
 
 def add_caller_limit_flags(parser: argparse.ArgumentParser) -> None:
