@@ -62,7 +62,7 @@ class LoopLag:
 
 class BulkLane:
     """Batch prompts under way at once, gateway-wide, within a limit that the loop's lateness
-    sets (:meth:`sampled`). A prompt waits its turn in :meth:`slot`, first come first served
+    sets (:meth:`sampled`). A prompt waits its turn in :meth:`acquire`, first come first served
     across batches and tenants."""
 
     def __init__(self, ceiling: int = LANE_CEILING):
@@ -88,6 +88,8 @@ class BulkLane:
         return int(self._limit)
 
     async def acquire(self) -> None:
+        """A place, once the prompts ahead have theirs and the limit leaves one (give it
+        back with :meth:`release`)."""
         if self.running < self.limit and not self._waiting:
             self.running += 1
             return
@@ -104,6 +106,7 @@ class BulkLane:
             raise
 
     def release(self) -> None:
+        """A prompt's place given back: the next waiting prompts get theirs."""
         self.running -= 1
         self._wake()
 
