@@ -27,6 +27,15 @@ class CallerLimits:
         self.max_engine_requests = engine_requests
         self.requests: dict[str, int] = {}
         self.engine_requests: dict[str, int] = {}
+        #: Requests in flight, every tenant's, and of them the batches of prompts: the
+        #: others are the turns batches yield to (:class:`~.congestion.BulkLane`).
+        self.in_flight = 0
+        self.batches = 0
+
+    @property
+    def turns_in_flight(self) -> int:
+        """Requests in flight that are not batches of prompts."""
+        return self.in_flight - self.batches
 
     def admit(self, tenant: str) -> Admission:
         """Count a request of ``tenant`` in flight, holding one engine request for it;
@@ -45,17 +54,20 @@ class CallerLimits:
             )
         self.requests[tenant] = held + 1
         self.engine_requests[tenant] = engines + 1
+        self.in_flight += 1
         return Admission(self, tenant)
 
-    def _give_back(self, tenant: str, engine_requests: int) -> None:
+    def _give_back(self, tenant: str, engine_requests: int, batch: bool) -> None:
         _decrease(self.requests, tenant, 1)
         _decrease(self.engine_requests, tenant, engine_requests)
+        self.in_flight -= 1
+        self.batches -= batch
 
 
 class Admission:
     """One admitted request's hold on its tenant's limits, until :meth:`release`."""
 
-    __slots__ = ("_limits", "engine_requests", "released", "tenant")
+    __slots__ = ("_limits", "batch", "engine_requests", "released", "tenant")
 
     def __init__(self, limits: CallerLimits, tenant: str):
         self._limits = limits
@@ -63,11 +75,17 @@ class Admission:
         #: Engine requests held for this request: the window its prompts run through.
         self.engine_requests = 1
         self.released = False
+        #: A batch of prompts (:meth:`widen`), not a turn.
+        self.batch = False
 
     def widen(self, wanted: int) -> int:
         """Hold up to ``wanted`` engine requests for this request (a batch's window), as many
-        as its tenant has left, and at least the one it holds; how many it now holds."""
+        as its tenant has left, and at least the one it holds; how many it now holds. The
+        request counts as a batch from then on."""
         limits = self._limits
+        if not self.batch and not self.released:
+            self.batch = True
+            limits.batches += 1
         if wanted > self.engine_requests and not self.released:
             extra = wanted - self.engine_requests
             if limits.max_engine_requests:
@@ -81,7 +99,7 @@ class Admission:
         """The request's reply is whole, failed or abandoned: what it held is let go (once)."""
         if not self.released:
             self.released = True
-            self._limits._give_back(self.tenant, self.engine_requests)
+            self._limits._give_back(self.tenant, self.engine_requests, self.batch)
 
 
 def _decrease(counts: dict[str, int], tenant: str, by: int) -> None:

@@ -66,6 +66,9 @@ class Gateway:
         self.runner = TurnRunner(
             config, self.prefill, self.decode, self.upstream, self.store, self.metrics
         )
+        # Batches yield the loop only while turns are under way (:mod:`.congestion`).
+        callers = self.callers
+        self.runner.context.lane.contended = lambda: callers.turns_in_flight > 0
         #: Stored Responses API responses, for ``previous_response_id`` and ``GET``.
         self.responses = self.state.responses
         self.models: list[dict[str, Any]] = []
