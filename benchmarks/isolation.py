@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import multiprocessing
 import os
 import resource
@@ -30,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -41,6 +42,7 @@ from _pair import server
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "isolation.md"
+RESULTS_IDLE = ROOT / "benchmarks" / "results" / "isolation_idle.md"
 FAKE_PORT = 29401
 GATEWAY_PORT = 29410
 CONTROL_PORT = 29420
@@ -56,12 +58,40 @@ A_PACE_S = 0.02
 
 
 class Stop(Protocol):
-    """When an attack ends (a ``multiprocessing`` event: the attack runs in a process of its
-    own)."""
+    """When an attack ends, and a count of the requests it made (shared with the process of its
+    own that the attack runs in)."""
 
     def is_set(self) -> bool: ...
 
     def wait(self, timeout: float | None = None) -> bool: ...
+
+    def done(self) -> None:
+        """One more request made (or connection opened: each attack says what it counts)."""
+
+
+class Control:
+    """:class:`Stop` over ``multiprocessing`` objects: set here, read in the attack's process."""
+
+    def __init__(self, context: Any) -> None:
+        self._stop = context.Event()
+        self._made = context.Value("q", 0)
+
+    def is_set(self) -> bool:
+        return bool(self._stop.is_set())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(self._stop.wait(timeout))
+
+    def set(self) -> None:
+        self._stop.set()
+
+    def done(self) -> None:
+        with self._made.get_lock():
+            self._made.value += 1
+
+    @property
+    def made(self) -> int:
+        return int(self._made.value)
 
 
 Attack = Callable[[Stop], None]
@@ -118,32 +148,43 @@ def measure(call: Callable[[httpx.Client, str], None], base: str, key: str | Non
 
 
 @contextlib.contextmanager
-def attacking(attack: Attack | None, threads: int) -> Iterator[None]:
-    """Run ``attack`` from ``threads`` threads of a process of its own for the block.
+def attacking(attack: Attack | None, threads: int, idle: bool = False) -> Iterator[Control | None]:
+    """Run ``attack`` from ``threads`` threads of a process of its own for the block; yields
+    its :class:`Control` (``None`` without an attack).
 
     Not threads of this process: A's client runs here, and attackers sharing its interpreter
     lock would slow A's own requests, whatever the server does. Measured on the control
     server's case 7 (128 KB bodies without the secret), twice each on 2 cores: A's p50 under
     attack 9.4-9.6 ms with the attackers' threads here, 3.4-4.3 ms with them in a process of
-    their own."""
+    their own.
+
+    ``idle``: the attacker's process runs under Linux's ``SCHED_IDLE`` policy, on what CPU time
+    the gateway, the engine and A leave: the stand-in for an attacker on a machine of its own,
+    where its client's CPU takes nothing from the gateway's. What its requests cost the
+    gateway and the engine is still theirs to bear."""
     if attack is None:
-        yield
+        yield None
         return
     context = multiprocessing.get_context("fork")  # the attack is a closure: not picklable
-    stop = context.Event()
-    process = context.Process(target=_attack_threads, args=(attack, threads, stop), daemon=True)
+    control = Control(context)
+    process = context.Process(
+        target=_attack_threads, args=(attack, threads, control, idle), daemon=True
+    )
     process.start()
     time.sleep(1.0)  # the attack under way before A is measured
     try:
-        yield
+        yield control
     finally:
-        stop.set()
+        control.set()
         process.join(timeout=40)
         if process.is_alive():
             process.kill()
 
 
-def _attack_threads(attack: Attack, threads: int, stop: Stop) -> None:
+def _attack_threads(attack: Attack, threads: int, stop: Stop, idle: bool) -> None:
+    if idle:
+        # The calling thread's policy; the threads started below inherit it.
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     workers = [threading.Thread(target=attack, args=(stop,), daemon=True) for _ in range(threads)]
     for w in workers:
         w.start()
@@ -156,6 +197,13 @@ def _attack_threads(attack: Attack, threads: int, stop: Stop) -> None:
 
 def _raw(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+
+def _try(stop: Stop, request: Callable[[], object]) -> None:
+    """One request of an attack, answered or refused; counted either way."""
+    with contextlib.suppress(httpx.HTTPError):
+        request()
+    stop.done()
 
 
 def _tenant_b(timeout_s: float = 30) -> httpx.Client:
@@ -188,6 +236,7 @@ def stalled_bodies(key: str | None) -> Attack:
                     conn.sendall(chunk)
             except OSError:
                 pass  # refused and closed: the stall below holds the next try back all the same
+            stop.done()  # a request (announced, mostly sent)
             # Stalled, holding whatever the gateway buffered (the issue's case: a stall, not a
             # flood of connections, which the other cases measure).
             stop.wait(10)
@@ -203,8 +252,7 @@ def batches(stop: Stop) -> None:
         while not stop.is_set():
             for n in (256, 2000):
                 body = {"model": "fake", "prompt": [f"p{i}" for i in range(n)], "max_tokens": 4}
-                with contextlib.suppress(httpx.HTTPError):
-                    client.post("/v1/completions", json=body)
+                _try(stop, functools.partial(client.post, "/v1/completions", json=body))
 
 
 def scrapes(stop: Stop) -> None:
@@ -215,8 +263,7 @@ def scrapes(stop: Stop) -> None:
             for key in (KEY_B, OPERATOR_KEY):
                 headers = {"Authorization": f"Bearer {key}"}
                 for path in ("/kvturn/status", "/metrics"):
-                    with contextlib.suppress(httpx.HTTPError):
-                        client.get(path, headers=headers)
+                    _try(stop, functools.partial(client.get, path, headers=headers))
 
 
 def bad_numbers(stop: Stop) -> None:
@@ -224,26 +271,25 @@ def bad_numbers(stop: Stop) -> None:
     with _tenant_b() as client:
         body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
         while not stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                client.post(
-                    "/v1/chat/completions", json=body,
-                    headers={"X-Conversation-Id": "b-skew", "X-Kvturn-Pause-Ms": "1e308"},
-                )  # fmt: skip
-                client.post(
-                    "/v1/kvturn/conversations/b-skew/heartbeat",
-                    content=b'{"pause_kind": "tool", "paused_ms": 18446744073709551616}',
-                    headers={"Content-Type": "application/json"},
-                )
+            _try(stop, lambda: client.post(
+                "/v1/chat/completions", json=body,
+                headers={"X-Conversation-Id": "b-skew", "X-Kvturn-Pause-Ms": "1e308"},
+            ))  # fmt: skip
+            _try(stop, lambda: client.post(
+                "/v1/kvturn/conversations/b-skew/heartbeat",
+                content=b'{"pause_kind": "tool", "paused_ms": 18446744073709551616}',
+                headers={"Content-Type": "application/json"},
+            ))  # fmt: skip
 
 
 def bad_responses(stop: Stop) -> None:
     """Case 6: Responses requests the gateway must refuse (a tool_choice without a name)."""
     with _tenant_b() as client:
         body = {"model": "fake", "input": "x", "tool_choice": {"type": "function"}}
+        streamed = {"model": "fake", "input": "x", "stream": "yes"}
         while not stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                client.post("/v1/responses", json=body)
-                client.post("/v1/responses", json={"model": "fake", "input": "x", "stream": "yes"})
+            _try(stop, lambda: client.post("/v1/responses", json=body))
+            _try(stop, lambda: client.post("/v1/responses", json=streamed))
 
 
 def upgrades(stop: Stop) -> None:
@@ -255,6 +301,7 @@ def upgrades(stop: Stop) -> None:
                 b"Connection: Upgrade\r\nAuthorization: Bearer " + KEY_B.encode() + b"\r\n\r\n"
             )
             conn.recv(65536)
+        stop.done()
         with contextlib.suppress(OSError), _raw(GATEWAY_PORT) as conn:
             body = orjson.dumps({"model": "fake", "messages": [{"role": "user", "content": "x"}]})
             conn.sendall(
@@ -265,6 +312,7 @@ def upgrades(stop: Stop) -> None:
             )
             conn.shutdown(socket.SHUT_WR)
             conn.recv(65536)
+        stop.done()
 
 
 def slow_streams(stop: Stop) -> None:
@@ -274,8 +322,7 @@ def slow_streams(stop: Stop) -> None:
             "fake_slow_stream": 200}  # fmt: skip
     with _tenant_b(timeout_s=60) as client:
         while not stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                client.post("/v1/chat/completions", json=body)
+            _try(stop, lambda: client.post("/v1/chat/completions", json=body))
 
 
 def spinning(stop: Stop) -> None:
@@ -319,6 +366,7 @@ def idle_connections(stop: Stop) -> None:
             if stop.is_set():
                 break
             held.append(_raw(CONTROL_PORT))
+            stop.done()
     stop.wait()
     for conn in held:
         conn.close()
@@ -329,9 +377,8 @@ def unauthenticated_bodies(stop: Stop) -> None:
     body = b"x" * (128 * 1024)
     with httpx.Client(base_url=f"http://127.0.0.1:{CONTROL_PORT}", timeout=30) as client:
         while not stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                client.post("/kvturn/leases/lease-a/renew", content=body)
-                client.get("/kvturn/retained/nope?wait_ms=nan")
+            _try(stop, lambda: client.post("/kvturn/leases/lease-a/renew", content=body))
+            _try(stop, lambda: client.get("/kvturn/retained/nope?wait_ms=nan"))
 
 
 CONTROL_CASES: list[tuple[str, Attack, int]] = [
@@ -363,15 +410,20 @@ def run_cases(
     key: str,
     seconds: float,
     repeats: int = 1,
+    idle: bool = False,
 ) -> list[tuple[str, list[dict[str, float]], list[dict[str, float]]]]:
-    """Each case ``repeats`` times, the cases in turn (A alone right before each)."""
+    """Each case ``repeats`` times, the cases in turn (A alone right before each); under an
+    attack, ``attack_rate``: the attacker's requests a second while A was measured."""
     alone: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in cases}
     under: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in cases}
     for _ in range(repeats):
         for name, attack, threads in cases:
             alone[name].append(measure(call, base, key, seconds))
-            with attacking(attack, threads):
-                under[name].append(measure(call, base, key, seconds))
+            with attacking(attack, threads, idle) as control:
+                made = control.made if control else 0
+                result = measure(call, base, key, seconds)
+                result["attack_rate"] = ((control.made if control else 0) - made) / seconds
+                under[name].append(result)
             print(f"{name:50s} alone {alone[name][-1]}  under {under[name][-1]}", flush=True)
     return [(name, alone[name], under[name]) for name, _, _ in cases]
 
@@ -393,13 +445,15 @@ def _row(name: str, alone: list[dict[str, float]], under: list[dict[str, float]]
         return statistics.median(run[what] for run in runs)
 
     keeps, p99 = ratio("rate"), ratio("p99")
+    rates = [run.get("attack_rate", 0.0) for run in under]
+    attack_rate = f"{statistics.median(rates):.0f}/s" if any(rates) else "-"
     errors = sum(run["errors"] for run in under)
     held = statistics.median(keeps) >= 0.9 and statistics.median(p99) <= 2.0 and not errors
     return (
         f"| {name} | {median(alone, 'rate'):.0f}/s, p99 {median(alone, 'p99'):.1f} ms | "
         f"{median(under, 'rate'):.0f}/s, p50 {median(under, 'p50'):.1f} ms, "
-        f"p99 {median(under, 'p99'):.1f} ms | {spread(keeps)} | {spread(p99)} | {errors:.0f} "
-        f"| {'yes' if held else '**no**'} |"
+        f"p99 {median(under, 'p99'):.1f} ms | {attack_rate} | {spread(keeps)} | {spread(p99)} "
+        f"| {errors:.0f} | {'yes' if held else '**no**'} |"
     )
 
 
@@ -412,8 +466,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="each measurement's length")
     parser.add_argument("--repeats", type=int, default=1, help="measurements of each case")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--attacker", choices=("shared", "idle"), default="shared",
+        help="the attacker's process: an ordinary neighbour on the same cores (shared), or "
+        "under SCHED_IDLE (idle: as if on a machine of its own; results to isolation_idle.md "
+        "unless --out says otherwise)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    idle = args.attacker == "idle"
+    out = args.out or (RESULTS_IDLE if idle else RESULTS)
     _raise_fd_limit()  # the attackers' own sockets
     py = sys.executable
     fake = (py, "-m", "uvicorn", "tests.fake_engine:app", "--port", str(FAKE_PORT),
@@ -429,22 +491,25 @@ def main() -> int:
     }
     with server(*fake, port=FAKE_PORT), server(*gateway, port=GATEWAY_PORT, env=env):
         base = f"http://127.0.0.1:{GATEWAY_PORT}"
-        gateway_rows = run_cases(GATEWAY_CASES, _turn, base, KEY_A, args.seconds, args.repeats)
+        gateway_rows = run_cases(
+            GATEWAY_CASES, _turn, base, KEY_A, args.seconds, args.repeats, idle
+        )
     with server(py, "-c", CONTROL_SERVER, port=CONTROL_PORT, http=False):
         base = f"http://127.0.0.1:{CONTROL_PORT}"
         control_rows = run_cases(
-            CONTROL_CASES, _control_call, base, SECRET, args.seconds, args.repeats
+            CONTROL_CASES, _control_call, base, SECRET, args.seconds, args.repeats, idle
         )
     header = [
-        "| case | A alone | A under attack | A's rate kept | A's p99 ratio | A's errors | "
-        "goal held (>= 0.90 rate, <= 2x p99, no error) |",
-        "|---|---|---|---|---|---|---|",
+        "| case | A alone | A under attack | attacker's requests | A's rate kept | "
+        "A's p99 ratio | A's errors | goal held (>= 0.90 rate, <= 2x p99, no error) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines = [
         "# Tenant A's service while another caller attacks (#39)",
         "",
         "Command: `.venv/bin/python benchmarks/isolation.py "
-        f"--seconds {args.seconds:g} --repeats {args.repeats}`  ",
+        f"--seconds {args.seconds:g} --repeats {args.repeats}"
+        f"{' --attacker idle' if idle else ''}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M')} UTC; {os.cpu_count()} CPU cores shared by "
         "the gateway, the fake engine, tenant A's client and the attackers; gateway "
         "`kvturn serve` (its defaults), two tenants' keys and an operator key, in front of "
@@ -461,7 +526,16 @@ def main() -> int:
         "takes CPU time from the gateway's own loop and from A's client, whatever the gateway "
         "schedules (`scripts/device_isolation.sh` runs it on 16 cores); the first row is no "
         "attack but that floor: a process of 4 threads that only compute and never reach "
-        "the gateway, as the attackers' 4 threads would take a core. No "
+        "the gateway, as the attackers' 4 threads would take a core. "
+        + (
+            "**Attacker under SCHED_IDLE** (`--attacker idle`): the attacker's process runs "
+            "only on CPU time the gateway, the engine and A leave, as if on a machine of its "
+            "own; the gateway and the engine still do all the work its requests ask for "
+            "(the attacker's requests a second say how hard it pressed). "
+            if idle
+            else ""
+        )
+        + "Attacker's requests: a second, while A was measured (median). No "
         "vLLM P/D baseline applies: this measures how the gateway keeps tenants apart "
         "(keys, per-tenant limits, its own HTTP edge) in front of a fake engine; "
         "vllm-router has no tenants or per-caller limits to compare, and no engine does work "
@@ -483,7 +557,7 @@ def main() -> int:
         *(_row(*row) for row in control_rows),
         "",
     ]
-    args.out.write_text("\n".join(lines))
+    out.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
 
