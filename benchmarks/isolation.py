@@ -1,7 +1,8 @@
 """Tenant A's service while another caller attacks (issue #39): no caller can slow, block or
 skew service for another.
 
-    .venv/bin/python benchmarks/isolation.py
+    .venv/bin/python benchmarks/isolation.py                   # isolation.md
+    .venv/bin/python benchmarks/isolation.py --attacker idle   # isolation_idle.md
 
 A gateway (``kvturn serve``, its own process) with two tenants' keys, in front of the test
 suite's fake engine (``tests/fake_engine.py``: replies at once, so what is measured is the
@@ -14,6 +15,12 @@ p99. The control server inside each engine (case 7) is measured on its own: kvtu
 with the secret) against connections that idle, send bodies without the secret, or ask for
 non-finite waits. Everything shares this machine's cores (the attackers too): the spread of A
 alone, measured before every case, is the noise. Results: ``benchmarks/results/isolation.md``.
+
+On a machine of 2 cores an attacker's own client takes CPU time from the gateway and from A
+whatever the gateway does (the first case, a floor, measures that alone); ``--attacker idle``
+runs the attacker's process under Linux's ``SCHED_IDLE`` policy instead, on what time the
+others leave, as if it ran on a machine of its own, while the gateway and the engine still do
+all the work its requests ask for. Each row says how many requests a second the attacker made.
 """
 
 from __future__ import annotations
@@ -446,7 +453,8 @@ def _row(name: str, alone: list[dict[str, float]], under: list[dict[str, float]]
 
     keeps, p99 = ratio("rate"), ratio("p99")
     rates = [run.get("attack_rate", 0.0) for run in under]
-    attack_rate = f"{statistics.median(rates):.0f}/s" if any(rates) else "-"
+    made = statistics.median(rates)
+    attack_rate = "-" if not any(rates) else f"{made:.0f}/s" if made >= 10 else f"{made:.1f}/s"
     errors = sum(run["errors"] for run in under)
     held = statistics.median(keeps) >= 0.9 and statistics.median(p99) <= 2.0 and not errors
     return (
