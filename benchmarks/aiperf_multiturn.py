@@ -28,6 +28,12 @@ the modes alternates from one repeat to the next):
     with the same session header.
 ``kvturn-no-id``
     (some workloads) The same without a session header: kvturn recognises a resent history.
+``one-engine``
+    (roomy) Not a deployment to compare with but a bound: AIPerf straight to the decode
+    engine, no P/D, no router, no gateway, every turn served from that engine's own prefix
+    cache. A decode-local turn of kvturn's is this at best (the same engine computes the same
+    suffix); where kvturn's ratio over vllm-pd is this one's, no plan of kvturn's could do
+    better on these engines.
 
 AIPerf runs unmodified (``aiperf profile``), with greedy sampling (``temperature:0``). Every run
 draws its own prompts (its own ``--random-seed``), so no run finds another's prompts in any
@@ -73,7 +79,7 @@ from _pair import (
 RESULTS = Path(__file__).parent / "results"
 AIPERF_BIN = ROOT / ".venv-aiperf" / "bin" / "aiperf"
 GATEWAY_PORT = 28000
-MODES = ("vllm-pd", "kvturn", "kvturn-no-id")
+MODES = ("vllm-pd", "kvturn", "kvturn-no-id", "one-engine")
 #: AIPerf's figures a run reports (its ``profile_export_aiperf.json``).
 TTFT, LATENCY = "time_to_first_token", "request_latency"
 
@@ -132,7 +138,7 @@ WORKLOADS = {
             turns=6,
             delay_ms=1500,
             concurrency=4,
-            modes=("vllm-pd", "kvturn", "kvturn-no-id"),
+            modes=("vllm-pd", "kvturn", "kvturn-no-id", "one-engine"),
         ),
         Workload(
             "beyond-prefill-cache",
@@ -280,7 +286,7 @@ def run_workload(
         engines = state["prefill"] + state["decode"]
         gateway = str(state["gateway"]).removesuffix("/v1")
         urls = {"vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}", "kvturn": gateway,
-                "kvturn-no-id": gateway}  # fmt: skip
+                "kvturn-no-id": gateway, "one-engine": str(state["decode"][0])}  # fmt: skip
         work = Path(tempfile.mkdtemp(prefix=f"kvturn-aiperf-{workload.name}-"))
         for repeat, mode in interleaved(workload.modes, repeats):
             run_seed = seed + 100 * repeat + MODES.index(mode)
@@ -445,7 +451,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"pauses (floor {floor:.0f} s) |",
             "|---|---|---|---|---|---|",
         ]
-        for mode in ("kvturn", "kvturn-no-id"):
+        for mode in ("kvturn", "kvturn-no-id", "one-engine"):
             mine = by_mode.get(mode, [])
             if not mine:
                 continue
