@@ -29,7 +29,7 @@ turn meets on a busy loop, so the loop also counts as behind while the process's
 averaged over the last ~25 ms, exceeds half its wall time (:data:`BUSY_MAX`): the same
 attacker, six seconds twice, measured with it run under ``SCHED_IDLE`` (as if on a machine of
 its own), 1.75-1.97x with lateness alone; 0.59-1.35x with both, the gateway at 0.57 of a core
-and B still served 1,500-3,000 prompts a second.
+and B still served 1,300-1,500 prompts a second.
 """
 
 from __future__ import annotations
