@@ -175,6 +175,29 @@ WORKLOADS = {
             decode_blocks=320,
         ),
         Workload(
+            "long-histories",
+            "decode-local with long histories and memory to spare: a 12,000-token user "
+            "context; each baseline turn moves the whole history's KV from prefill to decode, "
+            "a decode-local turn moves none",
+            conversations=12,
+            turns=6,
+            delay_ms=1500,
+            concurrency=4,
+            user_context=12000,
+            modes=("vllm-pd", "kvturn", "one-engine"),
+        ),
+        Workload(
+            "tool-pauses-loaded",
+            "long tool pauses with the engines loaded: 8 s think time, 24 conversations under "
+            "way (~100k tokens of history) against 96 blocks of prefill KV and 960 of decode",
+            conversations=24,
+            turns=5,
+            delay_ms=8000,
+            concurrency=24,
+            prefill_blocks=96,
+            decode_blocks=960,
+        ),
+        Workload(
             "smoke",
             "a check that every part runs (not a measurement)",
             conversations=2,
@@ -186,7 +209,10 @@ WORKLOADS = {
     )
 }
 #: What the full run measures (``smoke`` only checks the set-up).
-DEFAULT_WORKLOADS = ("roomy", "beyond-prefill-cache", "two-prefills", "tool-pauses")
+DEFAULT_WORKLOADS = (
+    "roomy", "long-histories", "beyond-prefill-cache", "two-prefills", "tool-pauses",
+    "tool-pauses-loaded",
+)  # fmt: skip
 
 
 # ---- one AIPerf run ----------------------------------------------------------------------------

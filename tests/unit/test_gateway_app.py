@@ -1029,3 +1029,49 @@ def test_a_pull_counts_only_what_prefill_did_not_hold(
             assert observed[-1] == (computed, held - (own if isinstance(own, int) else 0))
             assert costs.pull.observations == 1
             assert fake_engine.COUNTS.get("claims_ended", 0) == ended
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_turn_goes_to_a_decode_alone_while_prefill_is_busy_and_the_decode_is_not(
+    on: bool,
+) -> None:
+    """Conditional disaggregation (``local_recompute``): a recompute turn that would queue
+    behind the prefill's work goes to the decode serving fewer requests, which computes it
+    alone and keeps its KV for the next turn; off, or with the prefill idle, it is P/D."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests import fake_engine
+
+    with running_fake_engine() as prefill, running_fake_engine() as decode:
+        config = GatewayConfig(
+            prefill=endpoints([prefill]),
+            decode=endpoints([decode], [decode]),
+            local_recompute=on,
+        )
+        with running_gateway(config) as gateway, ThreadPoolExecutor(1) as pool:
+            idle = _chat(gateway.url, **{"X-Conversation-Id": f"idle-{on}"})
+            assert idle.headers["x-kvturn-plan-reason"] == "first-turn"
+            # The first turn holds the prefill (the fake engine waits 1.5 s per call).
+            held = pool.submit(_chat, gateway.url, False, 1500, **{"X-Conversation-Id": "a"})
+            _until(lambda: fake_engine.COUNTS["in_flight"] == 1, "prefill never got the turn")
+            before = dict(fake_engine.COUNTS)
+            second = _chat(gateway.url, **{"X-Conversation-Id": f"busy-{on}"})
+            assert second.status_code == 200, second.text
+            assert second.json()["choices"][0]["message"]["content"] == "ok"
+            assert second.headers["x-kvturn-plan"] == "recompute"
+            if on:
+                assert second.headers["x-kvturn-plan-reason"] == "prefill-busy"
+                assert fake_engine.COUNTS["prefill"] == before["prefill"]
+                assert not held.done(), "the turn waited for the busy prefill"
+                _recorded(gateway, f"busy-{on}")
+                store = gateway.app.state.gateway.store
+                assert store.peek(scoped_key("", f"busy-{on}")).holder_url == decode
+                metrics = httpx.get(gateway.url + "/metrics").text
+                assert 'kvturn_turn_plans_total{plan="recompute",reason="prefill-busy"} 1.0' in (
+                    metrics
+                )
+                assert 'kvturn_reuse_fallbacks_total{reason="prefill-busy"}' not in metrics
+            else:
+                assert second.headers["x-kvturn-plan-reason"] == "first-turn"
+                assert fake_engine.COUNTS["prefill"] == before["prefill"] + 1
+            assert held.result().status_code == 200
