@@ -120,7 +120,9 @@ class Workload:
         ]  # fmt: skip
 
 
-#: The issue's four cases where the baseline can lose, and the one where it should not.
+#: The issue's cases where the baseline can lose (beyond prefill's cache, several prefills, long
+#: tool pauses under pressure, light and loaded; decode-local with long histories), and the one
+#: where it should not (roomy).
 #: Token counts: the tiny model's tokenizer is byte-level; a conversation ends near
 #: shared + context + turns x (isl + osl) tokens (about 4.4k here: 35 blocks of 128). AIPerf's
 #: concurrency is the number of conversations under way at once: their histories are the

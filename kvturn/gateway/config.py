@@ -68,11 +68,6 @@ class GatewayConfig:
     #: How much slower than a pull a decode-local turn may be predicted and still be chosen
     #: (see :class:`kvturn.gateway.planner.LocalLimits`).
     local_preference: float = 0.25
-    #: A recompute turn goes to a decode engine alone (prefill and decode in one engine, no
-    #: KV moved) when that decode serves fewer requests than the prefill the turn would wait
-    #: on (:func:`kvturn.gateway.turns.placement.idle_decode`); off: always P/D while a
-    #: prefill answers.
-    local_recompute: bool = True
     #: Requests without a conversation id that extend a recent turn's messages and reply are
     #: served as that conversation's next turn.
     implicit_conversations: bool = True
@@ -250,7 +245,6 @@ class GatewayConfig:
             "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
-            "local_recompute": parse_flag,
             "implicit_conversations": parse_flag, "shared_prefixes": parse_flag, "state": str,
             "state_timeout_s": float,
             "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,

@@ -30,9 +30,6 @@ from kvturn.wire import PREFILL_CACHED_KEY
 
 logger = logging.getLogger("kvturn.gateway")
 
-#: The reason of a recompute turn a decode served alone while prefill was busy.
-PREFILL_BUSY = "prefill-busy"
-
 
 class Dispatch:
     """P/D with a pull or a recompute; a decode or a prefill serving a turn alone."""
@@ -122,24 +119,16 @@ class Dispatch:
         return PrefillResult(instance, decode_params, prompt_tokens, reused, plan, finished)
 
     async def decode_alone(
-        self,
-        turn: Turn,
-        taken: Taken | None,
-        reason: str,
-        avoid: Instance | None,
-        target: Instance | None = None,
+        self, turn: Turn, taken: Taken | None, reason: str, avoid: Instance | None
     ) -> Reply:
-        """The turn on a decode engine by itself, which computes the whole prompt, or what its
-        prefix cache lacks (``target``, else the holder is preferred); its KV is kept for the
-        next turn as after a decode-local turn. ``reason``: no prefill could serve it (a
-        fallback), or ``prefill-busy`` (:func:`~.placement.idle_decode`). No decode either:
-        the 503."""
+        """The turn on a decode engine by itself (no prefill could serve it), which computes
+        the whole prompt, or what its prefix cache lacks (the holder is preferred); its KV is
+        kept for the next turn as after a decode-local turn. No decode either: the 503."""
         plan = TurnPlan("recompute", reason)
-        if reason != PREFILL_BUSY:
-            self.context.metrics.fallbacks_by[reason].inc()
+        self.context.metrics.fallbacks_by[reason].inc()
         alone = PrefillResult(None, {}, 0, 0, plan)
         try:
-            return await self.decoder.decode(turn, taken, alone, target=target, avoid=avoid)
+            return await self.decoder.decode(turn, taken, alone, avoid=avoid)
         except DecodeFailed as failure:
             avoid = self.decoder.failed(failure)
         try:

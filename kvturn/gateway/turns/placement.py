@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from kvturn.gateway.errors import NoHealthyEngine
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.turns.model import Turn
 
@@ -41,25 +40,3 @@ def counter(prefill: Pool, holder: Instance) -> Instance:
     chat prompt took 2.8 ms on an idle prefill engine and 4.1 ms on an idle decode."""
     idle = [i for i in prefill.healthy() if i.in_flight == 0]
     return idle[0] if idle else holder
-
-
-def idle_decode(prefill: Pool, decode: Pool, turn: Turn) -> Instance | None:
-    """A decode engine to compute a recompute turn alone, or ``None``: plain P/D.
-
-    A decode serving fewer requests than the prefill the turn would queue on is one: through
-    P/D the turn would wait behind the prefill's queue while that decode sits idle, and alone
-    on it the turn is what one vLLM engine serves (its prefill and decode in one place, no KV
-    moved; its KV stays there for the next turn, as after P/D). NVIDIA Dynamo calls this
-    conditional disaggregation. An idle prefill is never passed over: there P/D keeps the
-    decode's streams free of the prompt's prefill, which is what disaggregation is for.
-    Measured (``benchmarks/results/aiperf_multiturn.md``): AIPerf starts a workload's first
-    turns at once, and one prefill worked through them one by one while the decode had
-    nothing to do."""
-    try:
-        queue = choose_prefill(prefill, turn)
-    except NoHealthyEngine:
-        return None
-    if queue.in_flight == 0:
-        return None
-    less = [d for d in decode.healthy() if d.in_flight < queue.in_flight]
-    return min(less, key=lambda d: d.in_flight) if less else None

@@ -23,9 +23,8 @@ from kvturn.gateway.replies import Reply
 from kvturn.gateway.state.table import Conversation, ConversationTable, Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.decode import Decoder
-from kvturn.gateway.turns.dispatch import PREFILL_BUSY, Dispatch
-from kvturn.gateway.turns.model import RECOMPUTE_PARAMS, DecodeFailed, PrefillResult, Turn
-from kvturn.gateway.turns.placement import idle_decode
+from kvturn.gateway.turns.dispatch import Dispatch
+from kvturn.gateway.turns.model import DecodeFailed, PrefillResult, Turn
 from kvturn.gateway.turns.push import PushDispatch
 from kvturn.gateway.turns.reuse import ReuseStep
 from kvturn.gateway.turns.settle import Settlement
@@ -123,10 +122,6 @@ class TurnRunner:
                 if reuse.previous_key is not None:
                     self.context.release_later(reuse.holder, reuse.previous_key)
                 reuse = self.decoder.failed_reuse()
-        if reuse.params is RECOMPUTE_PARAMS and self.context.config.local_recompute:
-            idle = idle_decode(self.context.prefill, self.context.decode, turn)
-            if idle is not None and idle is not failed:
-                return await self.dispatch.decode_alone(turn, taken, PREFILL_BUSY, failed, idle)
         if self.context.config.transfer == "push":
             return await self.push.serve(turn, taken, reuse.plan, failed)
         for _ in range(2):
