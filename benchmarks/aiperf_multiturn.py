@@ -29,11 +29,12 @@ the modes alternates from one repeat to the next):
 ``kvturn-no-id``
     (some workloads) The same without a session header: kvturn recognises a resent history.
 ``one-engine``
-    (roomy) Not a deployment to compare with but a bound: AIPerf straight to the decode
-    engine, no P/D, no router, no gateway, every turn served from that engine's own prefix
-    cache. A decode-local turn of kvturn's is this at best (the same engine computes the same
+    (roomy, long-histories) Not a deployment to compare with but a bound: AIPerf straight to
+    the decode engine, no P/D, no router, no gateway, every turn served from that engine's own
+    prefix cache. A decode-local turn of kvturn's is this at best (the same engine computes the same
     suffix); where kvturn's ratio over vllm-pd is this one's, no plan of kvturn's could do
-    better on these engines.
+    better on these engines (with long histories it is not one: one engine also queues every
+    later turn behind the long first turns, which P/D keeps on prefill).
 
 AIPerf runs unmodified (``aiperf profile``), with greedy sampling (``temperature:0``). Every run
 draws its own prompts (its own ``--random-seed``), so no run finds another's prompts in any
@@ -41,7 +42,8 @@ engine's cache; a run's ``job`` time is AIPerf's benchmark duration, the time it
 finish all their turns. Beside AIPerf's figures, each run's engine counters: prompt tokens each
 engine computed, served from its own prefix cache, or received over NIXL.
 
-Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run).
+Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
+``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``.
 """
 
 from __future__ import annotations
@@ -179,8 +181,9 @@ WORKLOADS = {
         Workload(
             "long-histories",
             "decode-local with long histories and memory to spare: a 12,000-token user "
-            "context; each baseline turn moves the whole history's KV from prefill to decode, "
-            "a decode-local turn moves none",
+            "context, so first turns are long prefills; a baseline turn's suffix queues behind "
+            "them on prefill (decode's own prefix cache holds the rest of its history), a "
+            "decode-local turn's does not",
             conversations=12,
             turns=6,
             delay_ms=1500,
