@@ -128,8 +128,9 @@ class Workload:
 #: Token counts: the tiny model's tokenizer is byte-level; a conversation ends near
 #: shared + context + turns x (isl + osl) tokens (about 4.4k here: 35 blocks of 128; 14.9k with
 #: long-histories' 12k-token context). AIPerf's concurrency is the number of conversations under
-#: way at once: their histories are the working set. The KV caps hold in both modes (the same engines): a decode pool with more KV
-#: than a prefill pool, as P/D deployments are sized (decode holds every running context).
+#: way at once: their histories are the working set. The KV caps hold in both modes (the same
+#: engines): a decode pool with more KV than a prefill pool, as P/D deployments are sized
+#: (decode holds every running context).
 WORKLOADS = {
     w.name: w
     for w in (
