@@ -43,7 +43,8 @@ finish all their turns. Beside AIPerf's figures, each run's engine counters: pro
 engine computed, served from its own prefix cache, or received over NIXL.
 
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
-``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``.
+``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``; ``two-decodes``
+and ``two-decodes-roomy``: ``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ class Workload:
         ]  # fmt: skip
 
 
-#: The issue's cases where the baseline can lose (beyond prefill's cache, several prefills, long
-#: tool pauses under pressure, light and loaded; decode-local with long histories), and the one
-#: where it should not (roomy).
+#: The issue's cases where the baseline can lose (beyond prefill's cache, several prefills or
+#: decodes, long tool pauses under pressure, light and loaded; decode-local with long
+#: histories), and the ones where it should not (roomy, with one decode or two).
 #: Token counts: the tiny model's tokenizer is byte-level; a conversation ends near
 #: shared + context + turns x (isl + osl) tokens (about 4.4k here: 35 blocks of 128; 14.9k with
 #: long-histories' 12k-token context). AIPerf's concurrency is the number of conversations under
@@ -204,6 +205,30 @@ WORKLOADS = {
             decode_blocks=960,
         ),
         Workload(
+            "two-decodes",
+            "1 prefill (96 blocks) + 2 decodes (240 blocks, 31k tokens, each): 8 conversations "
+            "under way (~35k tokens of history); the baseline picks a conversation's decode by "
+            "hash of X-Session-ID, kvturn by what each decode holds and has free",
+            conversations=16,
+            turns=6,
+            delay_ms=1500,
+            concurrency=8,
+            decode=2,
+            prefill_blocks=96,
+            decode_blocks=240,
+        ),
+        Workload(
+            "two-decodes-roomy",
+            "1 prefill + 2 decodes with memory to spare (2 GiB of KV each): every history "
+            "stays in prefill's cache too, so what is left to compare is the hop to prefill, "
+            "the transfer back and where each conversation's decode is",
+            conversations=16,
+            turns=6,
+            delay_ms=1500,
+            concurrency=8,
+            decode=2,
+        ),
+        Workload(
             "smoke",
             "a check that every part runs (not a measurement)",
             conversations=2,
@@ -217,7 +242,7 @@ WORKLOADS = {
 #: What the full run measures (``smoke`` only checks the set-up).
 DEFAULT_WORKLOADS = (
     "roomy", "long-histories", "beyond-prefill-cache", "two-prefills", "tool-pauses",
-    "tool-pauses-loaded",
+    "tool-pauses-loaded", "two-decodes", "two-decodes-roomy",
 )  # fmt: skip
 
 
