@@ -208,7 +208,8 @@ WORKLOADS = {
             "two-decodes",
             "1 prefill (96 blocks) + 2 decodes (240 blocks, 31k tokens, each): 8 conversations "
             "under way (~35k tokens of history); the baseline picks a conversation's decode by "
-            "hash of X-Session-ID, kvturn by what each decode holds and has free",
+            "hash of X-Session-ID; kvturn keeps it on the decode that holds it and starts a new "
+            "one on the least loaded",
             conversations=16,
             turns=6,
             delay_ms=1500,
