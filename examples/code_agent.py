@@ -33,10 +33,11 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +88,20 @@ class CodeTree:
 
     def __init__(self, root: Path, max_files: int = 48) -> None:
         self.root = root.resolve()
-        files = sorted(
-            p.relative_to(self.root)
-            for p in self.root.rglob("*")
-            if p.is_file() and p.suffix in _TEXT and not _skipped(p.relative_to(self.root))
-        )
+        files = sorted(p.relative_to(self.root) for p in self.text_files())
         self.files = [str(p) for p in files if len(p.parts) <= 2][:max_files]
         folders = (p.name for p in self.root.iterdir() if p.is_dir())
         self.folders = [".", *sorted(f for f in folders if not _skipped(Path(f)))]
+
+    def text_files(self) -> Iterator[Path]:
+        """The tree's text files, never descending into a skipped folder (a virtual
+        environment alone holds tens of thousands of files)."""
+        for folder, subfolders, names in os.walk(self.root):
+            subfolders[:] = [d for d in subfolders if not _skipped(Path(d))]
+            for name in names:
+                path = Path(folder, name)
+                if path.suffix in _TEXT and not _skipped(Path(name)):
+                    yield path
 
     def list_files(self, folder: str) -> str:
         base = (self.root / folder).resolve()
@@ -114,10 +121,8 @@ class CodeTree:
     def grep_code(self, pattern: str) -> str:
         regex = re.compile(pattern)
         hits = []
-        for p in sorted(self.root.rglob("*")):
+        for p in sorted(self.text_files()):
             rel = p.relative_to(self.root)
-            if not p.is_file() or p.suffix not in _TEXT or _skipped(rel):
-                continue
             for n, line in enumerate(p.open(errors="replace"), 1):
                 if regex.search(line):
                     hits.append(f"{rel}:{n}: {line.strip()[:100]}")
@@ -141,7 +146,9 @@ class CodeTree:
                 except (ValueError, KeyError, TypeError) as error:
                     # A reply cut off by max_tokens: the model hears why, as from any tool.
                     return f"invalid arguments {arguments[:80]!r}: {error}"
-                return str(run(value))
+                # Off the event loop: the client's heartbeats run on it, and a tool that
+                # blocked it past the lease would cost the conversation its KV.
+                return str(await asyncio.to_thread(run, value))
 
             schema = {
                 "type": "object",

@@ -116,6 +116,8 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     status: int = 0
     plan: str | None = None
+    #: Why the gateway chose ``plan`` (``X-Kvturn-Plan-Reason``).
+    plan_reason: str | None = None
     reused_tokens: int = 0
     ttft_s: float | None = None
     raw: bytearray = field(default_factory=bytearray)
@@ -125,6 +127,7 @@ class Call:
     def _answered(self, response: httpx.Response) -> None:
         self.status = response.status_code
         self.plan = response.headers.get("x-kvturn-plan")
+        self.plan_reason = response.headers.get("x-kvturn-plan-reason")
         reused = response.headers.get("x-kvturn-reused-tokens", "0")
         self.reused_tokens = int(reused) if reused.isdigit() else 0
 

@@ -47,7 +47,9 @@ def check_reuse_and_answers(rows: list[turn_report.Row], calls: int) -> None:
         assert row.recomputed.plan == "recompute" and row.recomputed.reused_tokens == 0
     assert rows[0].kvturn.plan == "recompute"
     for row in rows[1:]:
-        assert row.kvturn.plan not in (None, "recompute"), f"call {row.index} did not reuse"
+        assert row.kvturn.plan not in (None, "recompute"), (
+            f"call {row.index} did not reuse ({row.kvturn.plan_reason})"
+        )
         if row.kvturn.plan == "pull-reuse":
             assert row.kvturn.reused_tokens > 0, f"call {row.index}"
     for row in rows:
