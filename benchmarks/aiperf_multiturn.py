@@ -43,8 +43,9 @@ finish all their turns. Beside AIPerf's figures, each run's engine counters: pro
 engine computed, served from its own prefix cache, or received over NIXL.
 
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
-``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``; ``two-decodes``
-and ``two-decodes-roomy``: ``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
+``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
+``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``two-decodes`` and
+``two-decodes-roomy``: ``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
 """
 
 from __future__ import annotations
@@ -205,6 +206,18 @@ WORKLOADS = {
             decode_blocks=960,
         ),
         Workload(
+            "tool-pauses-long-agents",
+            "long tool pauses under pressure, longer agents: tool-pauses-loaded's 24 agents "
+            "under way and 8 s think time, with 8 turns each instead of 5 (~120k tokens of "
+            "history at the end) against 96 blocks of prefill KV and 1280 of decode",
+            conversations=24,
+            turns=8,
+            delay_ms=8000,
+            concurrency=24,
+            prefill_blocks=96,
+            decode_blocks=1280,
+        ),
+        Workload(
             "two-decodes",
             "1 prefill (96 blocks) + 2 decodes (240 blocks, 31k tokens, each): 8 conversations "
             "under way (~35k tokens of history); the baseline picks a conversation's decode by "
@@ -243,7 +256,7 @@ WORKLOADS = {
 #: What the full run measures (``smoke`` only checks the set-up).
 DEFAULT_WORKLOADS = (
     "roomy", "long-histories", "beyond-prefill-cache", "two-prefills", "tool-pauses",
-    "tool-pauses-loaded", "two-decodes", "two-decodes-roomy",
+    "tool-pauses-loaded", "tool-pauses-long-agents", "two-decodes", "two-decodes-roomy",
 )  # fmt: skip
 
 
