@@ -186,6 +186,17 @@ class HeartbeatSchedule:
                     log.debug("kvturn: conversation %s paused past the maximum; beats stop", key)
                     self._drop(key)
                 else:
+                    if now - entry.next_at >= entry.interval:
+                        # Beats come at half the lease: one late by the other half comes
+                        # after the lease ran out, and cannot bring the KV back.
+                        log.warning(
+                            "kvturn: the heartbeat of conversation %s is %.1f s late, more "
+                            "than the time between beats: its lease may have run out and its "
+                            "next turn be recomputed. Was the event loop blocked (run blocking "
+                            "tools in a thread) or the process stopped?",
+                            key,
+                            now - entry.next_at,
+                        )
                     entry.next_at = math.inf
                     due.append(entry)
         return due

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
+
+import pytest
 
 from kvturn.client import KvturnSettings
 from kvturn.client._heartbeats import HeartbeatSchedule, HeartbeatThread, ScheduledBeat
@@ -141,3 +144,14 @@ def test_a_due_plan_of_a_conversation_in_flight_is_sent_to_the_beat() -> None:
     schedule = HeartbeatSchedule(KvturnSettings(max_pause_seconds=100), {}.get)
     schedule.pause_began("c", 0.0, 10.0)
     assert [e.conversation_id for e in schedule.take_due(5.0)] == ["c"]
+
+
+def test_a_beat_late_past_its_lease_is_sent_and_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    schedule = HeartbeatSchedule(KvturnSettings(max_pause_seconds=100))
+    schedule.start("on-time", paused_at=0.0, lease_seconds=4.0)  # due at 2, lease ends at 4
+    schedule.start("late", paused_at=0.0, lease_seconds=2.0)  # due at 1, lease ends at 2
+    with caplog.at_level(logging.WARNING, logger="kvturn.client"):
+        due = schedule.take_due(3.0)  # a blocked event loop wakes the worker only now
+    assert sorted(e.conversation_id for e in due) == ["late", "on-time"]
+    (record,) = caplog.records
+    assert "conversation late is 2.0 s late, more than the time between" in record.getMessage()
