@@ -44,7 +44,8 @@ engine computed, served from its own prefix cache, or received over NIXL.
 
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
-``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``two-decodes`` and
+``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``large-tool-results``:
+``aiperf_large_tool_results.md``; ``two-decodes`` and
 ``two-decodes-roomy``: ``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
 """
 
@@ -206,6 +207,19 @@ WORKLOADS = {
             decode_blocks=960,
         ),
         Workload(
+            "large-tool-results",
+            "decode-local with memory to spare, agents whose tools are fast and answer at "
+            "length: 1,500-token turns, 0.5 s think time, 8 turns, 8 under way (histories reach "
+            "~15k tokens); the baseline's one prefill computes every turn's new tokens, "
+            "kvturn's go to the decode that holds the history or to prefill, whichever its "
+            "costs say is sooner",
+            conversations=16,
+            turns=8,
+            delay_ms=500,
+            concurrency=8,
+            isl=1500,
+        ),
+        Workload(
             "tool-pauses-long-agents",
             "long tool pauses under pressure, longer agents: tool-pauses-loaded's 24 agents "
             "under way and 8 s think time, with 8 turns each instead of 5 (~120k tokens of "
@@ -256,7 +270,8 @@ WORKLOADS = {
 #: What the full run measures (``smoke`` only checks the set-up).
 DEFAULT_WORKLOADS = (
     "roomy", "long-histories", "beyond-prefill-cache", "two-prefills", "tool-pauses",
-    "tool-pauses-loaded", "tool-pauses-long-agents", "two-decodes", "two-decodes-roomy",
+    "tool-pauses-loaded", "tool-pauses-long-agents", "large-tool-results", "two-decodes",
+    "two-decodes-roomy",
 )  # fmt: skip
 
 
