@@ -126,8 +126,9 @@ class Workload:
 
 
 #: The issue's cases where the baseline can lose (beyond prefill's cache, several prefills or
-#: decodes, long tool pauses under pressure, light and loaded; decode-local with long
-#: histories), and the ones where it should not (roomy, with one decode or two).
+#: decodes, long tool pauses under pressure, light, loaded and with longer agents; decode-local
+#: with long histories or long tool results), and the ones where it should not (roomy, with one
+#: decode or two).
 #: Token counts: the tiny model's tokenizer is byte-level; a conversation ends near
 #: shared + context + turns x (isl + osl) tokens (about 4.4k here: 35 blocks of 128; 14.9k with
 #: long-histories' 12k-token context). AIPerf's concurrency is the number of conversations under
