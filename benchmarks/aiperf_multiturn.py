@@ -45,8 +45,8 @@ engine computed, served from its own prefix cache, or received over NIXL.
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
 ``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``large-tool-results``:
-``aiperf_large_tool_results.md``; ``two-decodes`` and
-``two-decodes-roomy``: ``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
+``aiperf_large_tool_results.md``; ``two-decodes`` and ``two-decodes-roomy``:
+``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
 """
 
 from __future__ import annotations

@@ -163,6 +163,7 @@ class HeartbeatSchedule:
     def take_due(self, now: float) -> list[ScheduledBeat]:
         """The beats due at ``now``; drops plans whose pause outgrew the maximum."""
         due: list[ScheduledBeat] = []
+        late: list[tuple[str, float]] = []
         with self._lock:
             for key, entry in list(self._entries.items()):
                 if entry.next_at > now and now < entry.stop_at:
@@ -187,18 +188,20 @@ class HeartbeatSchedule:
                     self._drop(key)
                 else:
                     if now - entry.next_at >= entry.interval:
-                        # Beats come at half the lease: one late by the other half comes
-                        # after the lease ran out, and cannot bring the KV back.
-                        log.warning(
-                            "kvturn: the heartbeat of conversation %s is %.1f s late, more "
-                            "than the time between beats: its lease may have run out and its "
-                            "next turn be recomputed. Was the event loop blocked (run blocking "
-                            "tools in a thread) or the process stopped?",
-                            key,
-                            now - entry.next_at,
-                        )
+                        late.append((key, now - entry.next_at))
                     entry.next_at = math.inf
                     due.append(entry)
+        # Beats come at half the lease: one late by the other half comes after the lease ran
+        # out, and cannot bring the KV back. Logged outside the lock (a handler may do I/O).
+        for key, seconds in late:
+            log.warning(
+                "kvturn: the heartbeat of conversation %s is %.1f s late, more than the time "
+                "between beats: its lease may have run out and its next turn be recomputed. "
+                "Was the event loop blocked (run blocking tools in a thread) or the process "
+                "stopped?",
+                key,
+                seconds,
+            )
         return due
 
     def reschedule(self, entry: ScheduledBeat, *, now: float, interval: float | None) -> None:
