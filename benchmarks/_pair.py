@@ -283,6 +283,20 @@ def tree_cpu_seconds(pids: list[int]) -> float:
     return total / CLOCK_TICKS
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user and system, every thread) of this one process so far, not its children."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of this machine has spent busy (not idle or waiting on I/O) since
+    boot, from ``/proc/stat``: over a run, what everything on the machine used."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
 def cpu_share(leader_pids: list[int], seconds: float) -> float:
     """Average cores used by the engines over ``seconds`` (1.0 = one full core)."""
     before = group_cpu_seconds(leader_pids)

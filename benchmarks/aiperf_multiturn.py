@@ -55,6 +55,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -75,9 +76,12 @@ from _pair import (
     engine_counters,
     gateway_plans,
     interleaved,
+    machine_busy_seconds,
+    process_cpu_seconds,
     ratio,
     shown,
     spread,
+    tree_cpu_seconds,
     wait_idle,
 )
 
@@ -305,14 +309,33 @@ def run_aiperf(
         *(["--export-outputs-json"] if outputs else []),
     ]  # fmt: skip
     started = time.monotonic()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, cwd=out.parent, capture_output=True, text=True, timeout=3600)
     wall = time.monotonic() - started
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (reaped.ru_utime + reaped.ru_stime) - (children.ru_utime + children.ru_stime)
     if done.returncode != 0:
         raise RuntimeError(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
                            f"{done.stderr[-3000:]}")  # fmt: skip
     exported = next(out.rglob("profile_export_aiperf.json"))
     data = json.loads(exported.read_text())
-    return {"command": shown(tuple(command)), "wall_s": wall, "aiperf": data}
+    return {"command": shown(tuple(command)), "wall_s": wall, "aiperf": data, "cpu_s": cpu}
+
+
+def cpu_seconds(state: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds used so far: by the prefill engines, the decode engines (each with its
+    engine-core process), the gateway (``kvturn up``'s own process, where it runs), and the
+    whole machine. Over a run, the machine's minus these and AIPerf's is the router's, this
+    script's and the system's."""
+    pids = [int(p) for p in state["pids"]]
+    prefill = len(state["prefill"])
+    return {
+        "prefill": tree_cpu_seconds(pids[:prefill]),
+        "decode": tree_cpu_seconds(pids[prefill:]),
+        "gateway": process_cpu_seconds(int(state["launcher_pid"])),
+        "machine": machine_busy_seconds(),
+        "wall": time.monotonic(),
+    }
 
 
 def answers(out: Path) -> dict[tuple[str, int], str]:
@@ -380,11 +403,13 @@ def run_workload(
             wait_idle(engines)
             before = engine_counters(engines)
             plans_before = gateway_plans(gateway)
+            cpu_before = cpu_seconds(state)
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
             result = run_aiperf(
                 workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
                 run_seed, work / f"{mode}-{repeat}",
             )  # fmt: skip
+            cpu_after = cpu_seconds(state)
             wait_idle(engines)
             after = engine_counters(engines)
             plans_after = gateway_plans(gateway)
@@ -403,6 +428,8 @@ def run_workload(
                 "requests": metric(data, "request_count", "avg"),
                 "errors": metric(data, "error_request_count", "avg") or 0.0,
                 "tokens": {k: after[k] - before[k] for k in after},
+                "cpu_s": {**{k: cpu_after[k] - cpu_before[k] for k in cpu_after},
+                          "aiperf": result["cpu_s"]},
                 "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
                           if v - plans_before.get(k, 0.0)},
             }  # fmt: skip
@@ -472,6 +499,42 @@ def pause_floor_s(w: dict[str, Any]) -> float:
     return per_slot * (w["turns"] - 1) * w["delay_ms"] / 1000
 
 
+def cpu_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Cores each part kept busy over a run (CPU seconds / wall seconds from AIPerf's start to
+    its end, median over repeats): where the machine's time went. Runs from before it was
+    measured: none."""
+    parts = ("prefill", "decode", "gateway", "aiperf")
+    rows = []
+    for mode, mine in by_mode.items():
+        measured = [r for r in mine if r.get("cpu_s")]
+        if not measured:
+            continue
+
+        def cores(run: dict[str, Any], part: str) -> float:
+            cpu = run["cpu_s"]
+            if part == "rest":  # the router, this script, the system
+                return (cpu["machine"] - sum(cpu[p] for p in parts)) / cpu["wall"]
+            return cpu[part] / cpu["wall"]
+
+        cells = [
+            f"{statistics.median(cores(r, part) for r in measured):.2f}"
+            for part in (*parts, "rest", "machine")
+        ]
+        rows.append(f"| {mode} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        "Cores busy over a run (CPU seconds / seconds from AIPerf's start to its end, which "
+        "includes its start-up; median): prefill engines | decode engines | gateway | AIPerf "
+        f"| the rest (router, system) | the whole machine ({os.cpu_count()} cores).",
+        "",
+        "| mode | prefill | decode | gateway | AIPerf | rest | machine |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     date = getattr(args, "date", None) or f"{datetime.now(UTC):%Y-%m-%d %H:%M}"
     lines = [
@@ -530,6 +593,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{spread(col('job_s'))} | {tokens} | {shown_plans} | "
                 f"{sum(col('errors')):.0f} |"
             )
+        lines += cpu_table(by_mode)
         base = by_mode.get("vllm-pd", [])
         floor = pause_floor_s(w)
         lines += [
