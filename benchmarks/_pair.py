@@ -200,6 +200,17 @@ def gateway_plans(url: str) -> dict[str, float]:
     return plans
 
 
+def gateway_plan_reasons(url: str) -> dict[str, float]:
+    """The gateway's turns so far, by ``plan/reason`` (``recompute/first-turn``...)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    reasons: dict[str, float] = {}
+    for labels, value in _samples(text, "kvturn_turn_plans_total").items():
+        plan = labels.split('plan="', 1)[1].split('"', 1)[0]
+        reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+        reasons[f"{plan}/{reason}"] = reasons.get(f"{plan}/{reason}", 0.0) + value
+    return reasons
+
+
 def wait_idle(urls: list[str], timeout_s: float = 120) -> None:
     """Until no engine runs or queues a request (a run's last streams may still be ending)."""
     deadline = time.monotonic() + timeout_s

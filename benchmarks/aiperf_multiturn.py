@@ -40,7 +40,12 @@ AIPerf runs unmodified (``aiperf profile``), with greedy sampling (``temperature
 draws its own prompts (its own ``--random-seed``), so no run finds another's prompts in any
 engine's cache; a run's ``job`` time is AIPerf's benchmark duration, the time its agents took to
 finish all their turns. Beside AIPerf's figures, each run's engine counters: prompt tokens each
-engine computed, served from its own prefix cache, or received over NIXL.
+engine computed, served from its own prefix cache, or received over NIXL; the gateway's turns by
+plan and reason; and the CPU seconds the prefill engines, the decode engines, the gateway, AIPerf
+and the whole machine used (on a 2-core machine every part competes for the same cores).
+AIPerf's scrape of the target's ``/metrics`` is off (``--no-server-metrics``): only the gateway
+serves one where AIPerf looks, so only kvturn's runs were scraped (runs before 2026-12-05 20:30
+UTC had it on).
 
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
@@ -74,6 +79,7 @@ from _pair import (
     SESSION_HEADER,
     as_deployed,
     engine_counters,
+    gateway_plan_reasons,
     gateway_plans,
     interleaved,
     machine_busy_seconds,
@@ -292,6 +298,7 @@ def run_aiperf(
     seed: int,
     out: Path,
     outputs: bool = False,
+    pace: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     command = [
         str(AIPERF_BIN), "profile",
@@ -306,6 +313,11 @@ def run_aiperf(
         "--artifact-dir", str(out),
         *workload.aiperf_args(),
         *(["--session-header", SESSION_HEADER] if mode != "kvturn-no-id" else []),
+        # AIPerf scrapes the URL's /metrics by default: the gateway's, not the router's (it
+        # serves none on its port), which cost AIPerf's CPU in kvturn's runs alone. This script
+        # reads the engines' and the gateway's counters itself.
+        "--no-server-metrics",
+        *pace,
         *(["--export-outputs-json"] if outputs else []),
     ]  # fmt: skip
     started = time.monotonic()
@@ -378,7 +390,11 @@ def metric(data: dict[str, Any], name: str, stat: str) -> float | None:
 
 
 def run_workload(
-    workload: Workload, repeats: int, seed: int, check_answers: bool = False
+    workload: Workload,
+    repeats: int,
+    seed: int,
+    check_answers: bool = False,
+    pace: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     up_args = [
         "--prefill", str(workload.prefill), "--decode", str(workload.decode),
@@ -403,16 +419,18 @@ def run_workload(
             wait_idle(engines)
             before = engine_counters(engines)
             plans_before = gateway_plans(gateway)
+            reasons_before = gateway_plan_reasons(gateway)
             cpu_before = cpu_seconds(state)
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
             result = run_aiperf(
                 workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
-                run_seed, work / f"{mode}-{repeat}",
+                run_seed, work / f"{mode}-{repeat}", pace=pace,
             )  # fmt: skip
             cpu_after = cpu_seconds(state)
             wait_idle(engines)
             after = engine_counters(engines)
             plans_after = gateway_plans(gateway)
+            reasons_after = gateway_plan_reasons(gateway)
             data = result["aiperf"]
             run = {
                 "workload": workload.name,
@@ -428,6 +446,9 @@ def run_workload(
                 "requests": metric(data, "request_count", "avg"),
                 "errors": metric(data, "error_request_count", "avg") or 0.0,
                 "tokens": {k: after[k] - before[k] for k in after},
+                "reasons": {k: v - reasons_before.get(k, 0.0)
+                            for k, v in reasons_after.items()
+                            if v - reasons_before.get(k, 0.0)},
                 "cpu_s": {**{k: cpu_after[k] - cpu_before[k] for k in cpu_after},
                           "aiperf": result["cpu_s"]},
                 "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
@@ -439,7 +460,9 @@ def run_workload(
                 f"{run['job_s']:.1f} s, tokens {run['tokens']}, plans {run['plans']}",
                 flush=True,
             )
-        checked = compare_answers(workload, state, urls, work, seed) if check_answers else None
+        checked = (
+            compare_answers(workload, state, urls, work, seed, pace) if check_answers else None
+        )
     return {
         "workload": workload.__dict__,
         "router": router_command,
@@ -450,7 +473,12 @@ def run_workload(
 
 
 def compare_answers(
-    workload: Workload, state: dict[str, Any], urls: dict[str, str], work: Path, seed: int
+    workload: Workload,
+    state: dict[str, Any],
+    urls: dict[str, str],
+    work: Path,
+    seed: int,
+    pace: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Every mode on the same prompts (one seed), greedy: kvturn's replies against vllm-pd's.
     A conversation's later prompts carry its earlier replies, so equal replies mean equal
@@ -461,7 +489,7 @@ def compare_answers(
         print(f"   {mode} (answers, seed {seed + 9999})", flush=True)
         run_aiperf(
             workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
-            seed + 9999, work / f"answers-{mode}", outputs=True,
+            seed + 9999, work / f"answers-{mode}", outputs=True, pace=pace,
         )  # fmt: skip
     return answers_compared(workload.modes, work)
 
@@ -497,6 +525,25 @@ def pause_floor_s(w: dict[str, Any]) -> float:
     serving; ``job - floor`` is the part the deployment spent."""
     per_slot = math.ceil(w["conversations"] / w["concurrency"])
     return per_slot * (w["turns"] - 1) * w["delay_ms"] / 1000
+
+
+def reasons_lines(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The gateway's turns by plan and reason a run (median, and min-max over repeats), for the
+    modes through it. Runs from before they were recorded: none."""
+    lines = []
+    for mode, mine in by_mode.items():
+        measured = [r.get("reasons") or {} for r in mine]
+        keys = sorted({k for reasons in measured for k in reasons})
+        if not keys or not all(measured):
+            continue
+        cells = []
+        for key in keys:
+            counts = [reasons.get(key, 0.0) for reasons in measured]
+            low, high = min(counts), max(counts)
+            span = f" ({low:.0f}-{high:.0f})" if low != high else ""
+            cells.append(f"{key} {statistics.median(counts):.0f}{span}")
+        lines += ["", f"{mode}'s turns by plan/reason a run: " + ", ".join(cells) + "."]
+    return lines
 
 
 def cpu_table(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -593,6 +640,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{spread(col('job_s'))} | {tokens} | {shown_plans} | "
                 f"{sum(col('errors')):.0f} |"
             )
+        lines += reasons_lines(by_mode)
         lines += cpu_table(by_mode)
         base = by_mode.get("vllm-pd", [])
         floor = pause_floor_s(w)
@@ -628,6 +676,21 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pace(args: argparse.Namespace) -> tuple[str, ...]:
+    """AIPerf's pacing arguments. With ``--concurrency`` alone AIPerf issues in its
+    ``concurrency-burst`` mode: its credit loop yields to its event loop and tries again while no
+    slot is free or every session is in its think time (``timing/strategies/request_rate.py``),
+    a busy loop that takes a share of this machine's two cores from the engines. A request rate
+    puts it to sleep between intervals instead. Measured on large-tool-results (one repeat a
+    mode): AIPerf 0.17-0.22 of a core paced at 1 ms against 0.55-0.59 by default, the engines
+    taking the difference, job times inside the default's spreads
+    (``results/aiperf_large_tool_results.md``). Off by default: every result so far ran without."""
+    if args.issue_every_ms is None:
+        return ()
+    rate = 1000 / args.issue_every_ms
+    return ("--request-rate", f"{rate:g}", "--arrival-pattern", "constant")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
@@ -635,6 +698,13 @@ def main() -> int:
         help=f"comma-separated, of {', '.join(WORKLOADS)}",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--issue-every-ms", type=float, default=None,
+        help="AIPerf issues a request at most this often (--request-rate, constant arrivals; "
+        "the concurrency and think-time arguments unchanged, AIPerf takes concurrency under a "
+        "rate as a cap on requests in flight), where by default it retries at once while no "
+        "slot is free (see pace())",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--output", default="aiperf_multiturn", help="results file stem")
     parser.add_argument(
@@ -659,7 +729,9 @@ def main() -> int:
             raise SystemExit(f"{tool} is missing: see this script's docstring for the set-up")
     results = []
     for name in args.workloads.split(","):
-        results.append(run_workload(WORKLOADS[name], args.repeats, args.seed, args.answers))
+        results.append(
+            run_workload(WORKLOADS[name], args.repeats, args.seed, args.answers, pace(args))
+        )
         results[-1]["argv"] = args.argv
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{args.output}.json").write_text(json.dumps(results, indent=1))
