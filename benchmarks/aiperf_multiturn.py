@@ -44,8 +44,8 @@ engine computed, served from its own prefix cache, or received over NIXL; the ga
 plan and reason; and the CPU seconds the prefill engines, the decode engines, the gateway, AIPerf
 and the whole machine used (on a 2-core machine every part competes for the same cores).
 AIPerf's scrape of the target's ``/metrics`` is off (``--no-server-metrics``): only the gateway
-serves one where AIPerf looks, so only kvturn's runs were scraped (runs before 2026-12-05 20:30
-UTC had it on).
+serves one where AIPerf looks, so only kvturn's runs were scraped. Results written before it was
+turned off had it on: each results file's AIPerf command shows which.
 
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
