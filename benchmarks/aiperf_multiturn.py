@@ -48,6 +48,8 @@ serves one where AIPerf looks, so only kvturn's runs were scraped. Results writt
 turned off had it on: each results file's AIPerf command shows which.
 
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
+measured again with the CPU each part used, ``two-prefills``: ``aiperf_two_prefills.md`` and
+``beyond-prefill-cache``: ``aiperf_beyond_prefill_cache.md``;
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
 ``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``large-tool-results``:
 ``aiperf_large_tool_results.md``; ``two-decodes`` and ``two-decodes-roomy``:
@@ -313,9 +315,9 @@ def run_aiperf(
         "--artifact-dir", str(out),
         *workload.aiperf_args(),
         *(["--session-header", SESSION_HEADER] if mode != "kvturn-no-id" else []),
-        # AIPerf scrapes the URL's /metrics by default: the gateway's, not the router's (it
-        # serves none on its port), which cost AIPerf's CPU in kvturn's runs alone. This script
-        # reads the engines' and the gateway's counters itself.
+        # AIPerf scrapes the URL's /metrics by default: the gateway's, but not the router's (it
+        # serves none on its port), so only kvturn's runs were scraped (a probe found AIPerf's
+        # CPU no different without). This script reads the engines' and the gateway's counters.
         "--no-server-metrics",
         *pace,
         *(["--export-outputs-json"] if outputs else []),
