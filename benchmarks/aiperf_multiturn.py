@@ -48,8 +48,8 @@ serves one where AIPerf looks, so only kvturn's runs were scraped. Results writt
 turned off had it on: each results file's AIPerf command shows which.
 
 Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json``, every run);
-measured again with the CPU each part used, ``two-prefills``: ``aiperf_two_prefills.md`` and
-``beyond-prefill-cache``: ``aiperf_beyond_prefill_cache.md``;
+measured again with the CPU each part used, ``roomy``: ``aiperf_roomy.md``, ``two-prefills``:
+``aiperf_two_prefills.md`` and ``beyond-prefill-cache``: ``aiperf_beyond_prefill_cache.md``;
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
 ``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``large-tool-results``:
 ``aiperf_large_tool_results.md``; ``two-decodes`` and ``two-decodes-roomy``:
