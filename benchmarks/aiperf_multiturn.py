@@ -82,7 +82,6 @@ from _pair import (
     as_deployed,
     engine_counters,
     gateway_plan_reasons,
-    gateway_plans,
     interleaved,
     machine_busy_seconds,
     process_cpu_seconds,
@@ -420,7 +419,6 @@ def run_workload(
             run_seed = seed + 100 * repeat + MODES.index(mode)
             wait_idle(engines)
             before = engine_counters(engines)
-            plans_before = gateway_plans(gateway)
             reasons_before = gateway_plan_reasons(gateway)
             cpu_before = cpu_seconds(state)
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
@@ -431,9 +429,14 @@ def run_workload(
             cpu_after = cpu_seconds(state)
             wait_idle(engines)
             after = engine_counters(engines)
-            plans_after = gateway_plans(gateway)
             reasons_after = gateway_plan_reasons(gateway)
             data = result["aiperf"]
+            reasons = {k: v - reasons_before.get(k, 0.0) for k, v in reasons_after.items()
+                       if v - reasons_before.get(k, 0.0)}  # fmt: skip
+            plans: dict[str, float] = {}
+            for key, n in reasons.items():  # every turn is counted under one plan/reason
+                plan = key.split("/", 1)[0]
+                plans[plan] = plans.get(plan, 0.0) + n
             run = {
                 "workload": workload.name,
                 "mode": mode,
@@ -448,13 +451,10 @@ def run_workload(
                 "requests": metric(data, "request_count", "avg"),
                 "errors": metric(data, "error_request_count", "avg") or 0.0,
                 "tokens": {k: after[k] - before[k] for k in after},
-                "reasons": {k: v - reasons_before.get(k, 0.0)
-                            for k, v in reasons_after.items()
-                            if v - reasons_before.get(k, 0.0)},
+                "reasons": reasons,
                 "cpu_s": {**{k: cpu_after[k] - cpu_before[k] for k in cpu_after},
                           "aiperf": result["cpu_s"]},
-                "plans": {k: v - plans_before.get(k, 0.0) for k, v in plans_after.items()
-                          if v - plans_before.get(k, 0.0)},
+                "plans": plans,
             }  # fmt: skip
             runs.append(run)
             print(
