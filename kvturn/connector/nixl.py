@@ -111,6 +111,8 @@ logger = logging.getLogger("vllm.kvturn.connector")
 
 #: Marks a prefill request's params once its pull was checked (never leaves this engine).
 _CHECKED_KEY = "_kvturn_prefix_checked"
+#: Seconds after which a KV read not seen to land stops keeping the engine's steps close.
+LOAD_STALE_S = 30.0
 
 
 class KvturnConnectorBase(NixlBaseConnector):
@@ -184,6 +186,10 @@ class KvturnConnectorBase(NixlBaseConnector):
         self._asked: dict[str, int] = {}
         # Prefill requests: prompt tokens the engine's own prefix cache served, until finished.
         self._own_cached: dict[str, int] = {}
+        # Pull mode: KV reads this engine started and has not seen land (request id -> when),
+        # and whether this step hands the worker a new one (see build_connector_meta).
+        self._loading: dict[str, float] = {}
+        self._load_started = False
         self._control: ControlServer | None = None
         port = extra.get(CONTROL_PORT_CONFIG)
         if role == KVConnectorRole.SCHEDULER and port is not None:
@@ -250,10 +256,24 @@ class KvturnConnectorBase(NixlBaseConnector):
         # While finished requests' blocks wait to be read (or to expire), the engine core steps
         # in a busy loop to poll the connector, burning a core on an otherwise idle engine.
         # An empty step means nothing is running: pace those steps instead.
+        # A step that hands the worker a KV read to start is not paced (the read would wait
+        # out the pause before it began); steps while reads are in flight are paced as
+        # upstream's loop spaces them (IdlePacer's ``loading``).
         if self._pacer is not None:
-            busy = scheduler_output.total_num_scheduled_tokens > 0
-            self._pacer.pace(busy=busy, expecting=self._expecting())
+            busy = scheduler_output.total_num_scheduled_tokens > 0 or self._load_started
+            self._pacer.pace(busy=busy, expecting=self._expecting(), loading=self._reading())
+        self._load_started = False
         return meta
+
+    def _reading(self) -> bool:
+        """Whether a KV read this engine started may still be in flight. One unheard of for
+        :data:`LOAD_STALE_S` no longer counts: pacing affects only when a step sees it land."""
+        if not self._loading:
+            return False
+        stale = time.perf_counter() - LOAD_STALE_S
+        for request_id in [r for r, since in self._loading.items() if since < stale]:
+            del self._loading[request_id]
+        return bool(self._loading)
 
     def _expecting(self) -> bool:
         """Whether work may arrive that no request brings (only a step would see it)."""
@@ -388,7 +408,17 @@ class KvturnConnector(KvturnConnectorBase, NixlConnector):
             # took part in a transfer and ignores the retention deadline of any other, so its
             # blocks would never be freed: name it to the worker like a transferred one.
             self._local.add(request.request_id)
+        if num_external_tokens > 0:
+            # NixlConnector reads them asynchronously: the request waits for the read.
+            self._loading[request.request_id] = time.perf_counter()
+            self._load_started = True
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # A failed read is reported here too (the request then computes its prompt).
+        for request_id in connector_output.finished_recving or ():
+            self._loading.pop(request_id, None)
+        super().update_connector_output(connector_output)
 
     def _trim_to_verified_prefix(self, request: Request, params: dict[str, Any]) -> None:
         """Limit a pull from decode to the tokens this prompt provably shares with it."""
@@ -428,6 +458,7 @@ class KvturnConnector(KvturnConnectorBase, NixlConnector):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._loading.pop(request.request_id, None)
         stopped_by_server = aborted_after_decoding(request)
         if stopped_by_server:
             # A turn that ends on a stop string is ended by vLLM's API server, which aborts it

@@ -446,6 +446,20 @@ def test_an_expected_request_makes_idle_steps_short_until_it_arrives() -> None:
     assert pacer.next_wait(busy=False) == 0.01
 
 
+def test_steps_while_a_kv_read_is_in_flight_stay_close_however_long_the_engine_idled() -> None:
+    from kvturn.connector.engine_pacing import IdlePacer
+
+    clock = FakeClock()
+    pacer = IdlePacer(short_s=0.01, long_s=0.25, short_phase_s=2.0, clock=clock, soon_s=0.001)
+    assert pacer.next_wait(busy=False) == 0.01
+    clock.now += 2.5
+    assert pacer.next_wait(busy=False) == 0.25  # long since idle
+    assert pacer.next_wait(busy=False, loading=True) == 0.001
+    assert pacer.next_wait(busy=False, expecting=True, loading=True) == 0.001
+    assert pacer.next_wait(busy=False) == 0.25  # the read landed and nothing came of it
+    assert pacer.next_wait(busy=True, loading=True) == 0.0
+
+
 def test_a_wake_that_says_when_the_request_arrives_is_passed_on() -> None:
     table = LeaseTable(time.monotonic, max_lease_s=60)
     woken: list[str] = []
