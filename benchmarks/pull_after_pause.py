@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import local_pair
-from turn_ttft import gateway, opening, tool_result, ttft
+from turn_ttft import gateway, opening, spread_ms, ttft, turn_two
 
 RESULTS = Path(__file__).parent / "results" / "pull_after_pause.md"
 
@@ -58,27 +56,20 @@ def main() -> int:
                 for plan in ("pull-reuse", "recompute") if rep % 2 else ("recompute", "pull-reuse"):
                     salted = plan == "recompute"
                     cid = None if salted else f"pause-{uuid.uuid4().hex[:8]}"
-                    messages = opening(args.context, f"p{pause}-{rep}-{uuid.uuid4().hex[:8]}")
-                    _, reply, _ = ttft(client, model, messages, cid, salted=salted)
-                    messages += [
-                        {"role": "assistant", "content": reply},
-                        {"role": "tool", "content": tool_result(250)},
-                    ]
-                    time.sleep(pause)
-                    seconds, _, got = ttft(client, model, messages, cid, salted=salted)
+                    seconds, _, got, _, _ = turn_two(
+                        client, model, args.context, f"p{pause}-{rep}", cid,
+                        salted=salted, pause_s=pause,
+                    )  # fmt: skip
                     assert got.split(" (")[0] == plan, (plan, got)
-                    times[plan].append(seconds * 1000)
+                    times[plan].append(seconds)
             for plan, values in times.items():
-                rows.append(
-                    f"| {args.label} | {pause:g} | {plan} | {statistics.median(values):.0f} "
-                    f"({min(values):.0f}-{max(values):.0f}) |"
-                )
+                rows.append(f"| {args.label} | {pause:g} | {plan} | {spread_ms(values)} |")
                 print(rows[-1], flush=True)
     if not RESULTS.exists():
         RESULTS.write_text(
             "# TTFT of turn 2 after a pause, by plan\n\n"
             + (__doc__ or "").split("\n\n", 2)[2].strip().replace("\n", " ")
-            + "\n\n| code | pause (s) | plan | turn-2 TTFT ms |\n|---|---|---|---|\n"
+            + "\n\n| code | pause (s) | plan | turn-2 TTFT |\n|---|---|---|---|\n"
         )
     with RESULTS.open("a") as out:
         out.write("\n".join(rows) + "\n")

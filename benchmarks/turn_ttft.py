@@ -113,9 +113,10 @@ def turn_two(
     suffix: int = 250,
     header: str = "X-Conversation-Id",
     salted: bool = False,
+    pause_s: float = 0.3,
 ) -> tuple[float, str, str, list[dict[str, Any]], float]:
-    """Turn 1, then turn 2: (turn 2's TTFT, its reply, its plan, its messages, seconds from
-    turn 1 sent to turn 2's last token)."""
+    """Turn 1, then, ``pause_s`` after its reply, turn 2: (turn 2's TTFT, its reply, its plan,
+    its messages, seconds from turn 1 sent to turn 2's last token)."""
     started = time.perf_counter()
     messages = opening(context, f"{tag}-{uuid.uuid4().hex[:8]}")
     _, reply, _ = ttft(client, model, messages, cid, header, salted)
@@ -126,7 +127,7 @@ def turn_two(
     # The gateway records where turn 1's KV lives just after the reply; every plan, the floor
     # included, pauses alike (an engine just back from a reply answers faster than one that
     # idled a moment: measured here, up to ~20 ms at 4k).
-    time.sleep(0.3)
+    time.sleep(pause_s)
     seconds, text, plan = ttft(client, model, messages, cid, header, salted)
     return seconds, text, plan, messages, time.perf_counter() - started
 
