@@ -18,7 +18,10 @@ gateway's planner can choose ``decode-local``; every other chat plans a pull, as
 prompt is :data:`_PROMPT_TOKENS` tokens whose first ones are what a decode publishes it holds
 (and 5000 tokens more for a chat whose first message starts with ``local-long:``: a prompt
 longer than its messages' bytes bound, as no real template renders).
-A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500.
+A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500; a lease route on a port in
+:data:`SILENT_CONTROL_PORTS` answers only after :data:`SILENT_S` (a control server that went
+quiet while its engine still answers health checks). ``decode:<port>`` in the counts: the decode
+requests each port served.
 
 Push mode, as far as the gateway sees it: ``/kvturn/identity`` names the engine
 (``fake-push-<port>``); a decode request with ``do_remote_prefill`` from such an engine waits
@@ -56,6 +59,9 @@ _RECORDED_HEADERS = (b"x-request-id", b"traceparent", b"tracestate")
 _PROMPT_TOKENS = 1000
 #: Ports whose decode requests fail with a 500 (a decode that broke).
 FAIL_DECODE_PORTS: set[int] = set()
+#: Ports whose lease routes stay silent for SILENT_S seconds (past the gateway's 2 s).
+SILENT_CONTROL_PORTS: set[int] = set()
+SILENT_S = 4.0
 #: Ports whose prefill requests fail with a 500 (push mode: the registration is never written).
 FAIL_PREFILL_PORTS: set[int] = set()
 #: Ports whose prefills answer 200 but whose writes never reach decode.
@@ -164,6 +170,8 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         await _send_json(send, 200, {})
         return
     if path.startswith("/kvturn/leases"):
+        if scope["server"][1] in SILENT_CONTROL_PORTS:
+            await asyncio.sleep(SILENT_S)
         await _lease_route(scope, path, receive, send)
         return
     if path.startswith("/kvturn/pushes/"):
@@ -252,6 +260,8 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
                 return
         _PUSH_STATE[request_id] = "arrived"
     COUNTS["decode"] += 1
+    port_key = f"decode:{scope['server'][1]}"
+    COUNTS[port_key] = COUNTS.get(port_key, 0) + 1
     conversation = params.get("kvturn_conversation")
     # Its "prefix cache": a conversation it served before (a decode-local turn) is cached.
     cached = _PROMPT_TOKENS - 8 if conversation in _CONVERSATIONS else 0

@@ -113,6 +113,8 @@ class GatewayConfig:
     read_timeout_s: float = 60.0
     #: Client connections open at once; past it a new connection gets a 503 and is closed.
     max_connections: int = 4096
+    #: Seconds to open an engine connection, and the longest an engine's host may acknowledge
+    #: nothing on an open one before its request fails (an unplugged host: the turn falls back).
     connect_timeout_s: float = 5.0
     #: Upper bound on one engine request's wait: a whole reply, or a stream's first bytes and
     #: then each silence between its chunks (a stream that keeps sending is never cut).

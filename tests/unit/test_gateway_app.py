@@ -781,6 +781,42 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                     fake_engine.FAIL_DECODE_PORTS.clear()
 
 
+def test_a_holder_whose_control_server_is_silent_is_not_the_turns_decode() -> None:
+    """Stop 54's CI failure: the holder's host was unplugged, its claim went unanswered, and
+    the recomputed turn was sent to decode on that same holder (preferred, and still healthy
+    as far as the last health check knew). A holder that does not answer its claim is avoided
+    for the turn's decode: the turn recomputes on the other decode at once."""
+    from tests import fake_engine
+
+    with running_fake_engine() as prefill, running_fake_engine() as holder:  # noqa: SIM117
+        with running_fake_engine() as other:
+            config = GatewayConfig(
+                prefill=endpoints([prefill]),
+                decode=endpoints([holder, other], [holder, other]),
+                health_interval_s=600,  # the turn itself finds the silent holder
+            )
+            messages = [{"role": "user", "content": "pull me"}]  # plans a pull, not local
+            with running_gateway(config) as gateway:
+                _turn_with(gateway.url, "silent-holder", messages)
+                _recorded(gateway, "silent-holder")
+                store = gateway.app.state.gateway.store
+                assert store.peek(scoped_key("", "silent-holder")).holder_url == holder
+                port = int(holder.rsplit(":", 1)[1])
+                served = {
+                    url: fake_engine.COUNTS.get(f"decode:{url.rsplit(':', 1)[1]}", 0)
+                    for url in (holder, other)
+                }
+                fake_engine.SILENT_CONTROL_PORTS.add(port)
+                try:
+                    second = _turn_with(gateway.url, "silent-holder", messages)
+                finally:
+                    fake_engine.SILENT_CONTROL_PORTS.clear()
+                assert second.headers["x-kvturn-plan"] == "recompute"
+                assert second.headers["x-kvturn-plan-reason"] == "holder-unhealthy"
+                assert fake_engine.COUNTS.get(f"decode:{port}", 0) == served[holder]
+                assert fake_engine.COUNTS[f"decode:{other.rsplit(':', 1)[1]}"] == served[other] + 1
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dead", ["prefill", "decode"])
 def test_a_turn_is_answered_while_either_side_has_an_engine(dead: str, stream: bool) -> None:

@@ -4,10 +4,16 @@ connections, streams, timeouts and failures."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import pytest
 
 from kvturn.gateway.http.client import HttpClient, HttpError
@@ -391,3 +397,92 @@ async def test_running_out_of_descriptors_is_the_gateways_fault_not_the_engines(
         assert await upstream.is_healthy("http://127.0.0.1:9") is False
     finally:
         await upstream.close()
+
+
+# The engine on the other side of a silent network: it answers ``/slow`` only after a minute.
+_SILENT_SERVER = """
+import http.server, sys, time
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.path == "/slow":
+            time.sleep(60)
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer((sys.argv[1], 8000), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def unpluggable_host() -> Iterator[tuple[str, Callable[[], None]]]:
+    """An HTTP server on a "host" of its own (a network namespace behind a veth pair), and a
+    way to unplug it: its link goes down and its packets vanish, as a dead switch port or a
+    host that lost power does to them (no reset, no refusal; nothing at all)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.fail("needs root and iproute2 (ip), as the several-hosts test does")
+    tag = f"kvh{os.getpid() % 100000}"
+    namespace, outside, inside = f"{tag}-ns", f"{tag}a", f"{tag}b"
+    net = f"10.234.{os.getpid() % 250}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    ip("netns", "add", namespace)
+    server: subprocess.Popen[bytes] | None = None
+    try:
+        ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        ip("link", "set", inside, "netns", namespace)
+        ip("addr", "add", f"{net}.1/30", "dev", outside)
+        ip("link", "set", outside, "up")
+        ip("-n", namespace, "addr", "add", f"{net}.2/30", "dev", inside)
+        ip("-n", namespace, "link", "set", inside, "up")
+        command = [sys.executable, "-c", _SILENT_SERVER, f"{net}.2"]
+        server = subprocess.Popen(["ip", "netns", "exec", namespace, *command])
+        url = f"http://{net}.2:8000"
+        for _ in range(100):
+            try:
+                if httpx.post(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server in the namespace never answered")
+        yield url, lambda: ip("-n", namespace, "link", "set", inside, "down")
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", outside], capture_output=True)
+        ip("netns", "del", namespace)
+
+
+async def test_an_unplugged_hosts_connection_fails_within_the_connect_timeout(
+    unpluggable_host: tuple[str, Callable[[], None]],
+) -> None:
+    """The CI failure of stop 54: a decode host was unplugged, and a turn's POST to it went out
+    on a pooled keep-alive connection. Nothing refused it or reset it; the gateway waited for
+    the request timeout (600 s) while the client gave up at 300. A host that acknowledges
+    nothing for ``connect_timeout_s``, whether bytes were just sent or the request waits on its
+    answer, now ends the connection then: an :class:`HttpError`, which the turn falls back from."""
+    url, unplug = unpluggable_host
+    client = HttpClient(connect_timeout_s=1, timeout_s=30)
+    try:
+        # Two keep-alive connections, pooled: each request below goes out on one of them.
+        pooled = [client.request("POST", f"{url}/x", b"{}") for _ in range(2)]
+        assert [r.status for r in await asyncio.gather(*pooled)] == [200, 200]
+        waiting = asyncio.create_task(client.open("POST", f"{url}/slow", b"{}"))
+        await asyncio.sleep(0.5)  # its request went out and was acknowledged; it awaits headers
+        unplug()
+        started = time.monotonic()
+        with pytest.raises(HttpError, match="before the response"):  # sent, never acknowledged
+            await client.request("POST", f"{url}/x", b"{}")
+        with pytest.raises(HttpError, match="before the response"):  # its answer never coming
+            await waiting
+        assert time.monotonic() - started < 10
+    finally:
+        await client.close()

@@ -22,7 +22,10 @@ Semantics worth knowing:
   its method is idempotent: the server may also have failed while serving it, and a POST to
   an engine (a prefill, a decode) must not run twice. The POST's caller gets the error and
   its own fallback decides (the turn path retries as a new request where that is safe).
-* **Timeouts**: ``connect_timeout_s`` to open a connection. A whole response
+* **Timeouts**: ``connect_timeout_s`` to open a connection, and the longest a host may
+  acknowledge nothing on an open one (sent bytes, keepalive probes while a response is
+  awaited: :func:`.pool.notice_silence`), so an unplugged host fails its requests within
+  seconds, not at their deadline. A whole response
   (:meth:`HttpClient.request`) must arrive within ``timeout_s``. A stream
   (:meth:`HttpClient.open`) must bring its first body bytes within ``timeout_s`` of the request,
   and then never fall silent for longer: a reasoning model's reply may stream for an hour, a

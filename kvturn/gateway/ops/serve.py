@@ -47,7 +47,10 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     ),
     "read_timeout_s": (float, "a request must arrive whole this soon, seconds (else 408)"),
     "max_connections": (int, "client connections open at once (503 past it)"),
-    "connect_timeout_s": (float, "engine connect timeout, seconds"),
+    "connect_timeout_s": (
+        float,
+        "engine connect timeout, and how long an engine host may go silent, seconds",
+    ),
     "request_timeout_s": (
         float,
         "longest wait on an engine: a whole reply, or a stream's first bytes and each silence "

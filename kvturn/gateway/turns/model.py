@@ -174,6 +174,9 @@ class Reuse:
     #: conversation's (a parallel turn: its lease must not end its sibling's on the engine;
     #: the table keeps the one of the turn begun last, :mod:`kvturn.gateway.state.table`).
     lease_name: str | None = None
+    #: A holder whose control server did not answer the claim: this turn's decode goes
+    #: elsewhere (its engine likely shares its fate; health checks tell the other turns).
+    avoid: Instance | None = None
 
 
 @dataclass(slots=True)

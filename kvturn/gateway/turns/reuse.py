@@ -198,7 +198,8 @@ class ReuseStep:
             if outcome.params is not None:
                 self.context.release_later(holder, key, claimed=True)
             self.context.metrics.fallbacks_by[plan.reason].inc()
-            return Reuse(plan)
+            unreachable = outcome.reason == "holder-unreachable"
+            return Reuse(plan, avoid=holder if unreachable else None)
         params = outcome.params
         params["remote_host"] = holder.host
         return Reuse(plan, params, claimed=(holder, key))

@@ -91,7 +91,7 @@ class TurnRunner:
         self.wake_decode(conversation, turn)
         with tracing.phase(turn.tracer, "kvturn.plan"):
             reuse = await self.reuse.plan(turn, conversation)
-        failed: Instance | None = None
+        failed: Instance | None = reuse.avoid
         if reuse.plan.local:
             assert reuse.holder is not None
             if reuse.holder.control_url is not None:
