@@ -52,7 +52,8 @@ measured again with the CPU each part used, ``roomy``: ``aiperf_roomy.md``, ``tw
 ``aiperf_two_prefills.md`` and ``beyond-prefill-cache``: ``aiperf_beyond_prefill_cache.md``;
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
 ``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``large-tool-results``:
-``aiperf_large_tool_results.md``; ``two-decodes`` and ``two-decodes-roomy``:
+``aiperf_large_tool_results.md`` (its variant ``large-tool-results-pull-1024``, not in the
+default set: ``aiperf_large_tool_results_pull_1024.md``); ``two-decodes`` and ``two-decodes-roomy``:
 ``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
 """
 
@@ -230,6 +231,19 @@ WORKLOADS = {
             delay_ms=500,
             concurrency=8,
             isl=1500,
+        ),
+        Workload(
+            "large-tool-results-pull-1024",
+            "large-tool-results with prefill skipping pulls of under 1,024 tokens (vLLM's "
+            "kv_recompute_threshold, 64 by default; `kvturn up --recompute-threshold 1024`, "
+            "which also sets the gateway's reuse threshold): on a busy CPU prefill a pull "
+            "waits about two of its steps, longer than computing a few hundred tokens",
+            conversations=16,
+            turns=8,
+            delay_ms=500,
+            concurrency=8,
+            isl=1500,
+            up_args=("--recompute-threshold", "1024"),
         ),
         Workload(
             "tool-pauses-long-agents",
