@@ -415,7 +415,8 @@ class KvturnConnector(KvturnConnectorBase, NixlConnector):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        # A failed read is reported here too (the request then computes its prompt).
+        # A failed read is reported here too (its request then fails or recomputes, as
+        # kv_load_failure_policy says).
         for request_id in connector_output.finished_recving or ():
             self._loading.pop(request_id, None)
         super().update_connector_output(connector_output)
