@@ -51,7 +51,8 @@ Results: ``benchmarks/results/aiperf_multiturn.md`` (and ``aiperf_multiturn.json
 measured again with the CPU each part used, ``roomy``: ``aiperf_roomy.md``, ``two-prefills``:
 ``aiperf_two_prefills.md`` and ``beyond-prefill-cache``: ``aiperf_beyond_prefill_cache.md``;
 ``long-histories`` and ``tool-pauses-loaded``: ``aiperf_long_and_loaded.md``;
-``tool-pauses-long-agents``: ``aiperf_long_agents.md``; ``large-tool-results``:
+``tool-pauses-long-agents``: ``aiperf_long_agents.md`` (with ``--issue-every-ms 1``:
+``aiperf_long_agents_paced.md``); ``large-tool-results``:
 ``aiperf_large_tool_results.md`` (its variant ``large-tool-results-pull-1024``, not in the
 default set: ``aiperf_large_tool_results_pull_1024.md``); ``two-decodes`` and ``two-decodes-roomy``:
 ``aiperf_two_decodes.md`` and ``aiperf_two_decodes_roomy.md``.
