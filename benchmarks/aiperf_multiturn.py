@@ -259,6 +259,21 @@ WORKLOADS = {
             prefill_blocks=96,
             decode_blocks=1280,
         ),
+        *(
+            Workload(
+                f"tool-pauses-long-agents-{seconds}s",
+                f"tool-pauses-long-agents with {seconds} s tool pauses instead of 8 s: the same "
+                "agents, engines and KV, less of the job in think time (AIPerf sleeps every "
+                "pause, whoever serves the turns: the job's floor)",
+                conversations=24,
+                turns=8,
+                delay_ms=seconds * 1000,
+                concurrency=24,
+                prefill_blocks=96,
+                decode_blocks=1280,
+            )
+            for seconds in (2, 4)
+        ),
         Workload(
             "two-decodes",
             "1 prefill (96 blocks) + 2 decodes (240 blocks, 31k tokens, each): 8 conversations "
