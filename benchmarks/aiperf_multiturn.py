@@ -187,6 +187,18 @@ WORKLOADS = {
             decode_blocks=400,
         ),
         Workload(
+            "two-prefills-loaded",
+            "two-prefills with twice the agents under way: 12 of 24 conversations at once "
+            "(~53k tokens of history) against 2 prefills of 64 blocks each and a decode of 800",
+            conversations=24,
+            turns=6,
+            delay_ms=1500,
+            concurrency=12,
+            prefill=2,
+            prefill_blocks=64,
+            decode_blocks=800,
+        ),
+        Workload(
             "tool-pauses",
             "long tool pauses under pressure: 8 s think time, 8 conversations under way "
             "(~35k tokens of history) against 96 blocks of prefill KV and 320 of decode",
