@@ -61,6 +61,7 @@ default set: ``aiperf_large_tool_results_pull_1024.md``); ``two-decodes`` and ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -71,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -417,6 +419,8 @@ def _text(record: dict[str, Any]) -> str:
     for key in ("response_text", "output", "text", "generated_text"):
         if key in record:
             value = record[key]
+            if value is None:  # no content came back (AIPerf counts the turn as an error)
+                return ""
             return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     return json.dumps({k: v for k, v in record.items() if k != "metadata"}, sort_keys=True)
 
@@ -433,19 +437,15 @@ def metric(data: dict[str, Any], name: str, stat: str) -> float | None:
 # ---- one workload ------------------------------------------------------------------------------
 
 
-def run_workload(
-    workload: Workload,
-    repeats: int,
-    seed: int,
-    check_answers: bool = False,
-    pace: tuple[str, ...] = (),
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def deployed(workload: Workload) -> Iterator[tuple[dict[str, Any], str, dict[str, str]]]:
+    """The workload's engines, with the router and kvturn's gateway in front: the deployment's
+    state, the router's command, and where each mode sends its requests."""
     up_args = [
         "--prefill", str(workload.prefill), "--decode", str(workload.decode),
         *(["--prefill-kv-blocks", str(workload.prefill_blocks)] if workload.prefill_blocks else []),
         *workload.up_args,
     ]  # fmt: skip
-    runs: list[dict[str, Any]] = []
     print(f"== {workload.name}: starting engines", flush=True)
     with as_deployed(
         gateway_port=GATEWAY_PORT,
@@ -453,10 +453,40 @@ def run_workload(
         decode_kv_blocks=workload.decode_blocks,
         extra_args=tuple(up_args),
     ) as (state, router_command):
-        engines = state["prefill"] + state["decode"]
         gateway = str(state["gateway"]).removesuffix("/v1")
         urls = {"vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}", "kvturn": gateway,
                 "kvturn-no-id": gateway, "one-engine": str(state["decode"][0])}  # fmt: skip
+        yield state, router_command, urls
+
+
+def replay(workload: Workload, seed: int, pace: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One timed run's prompts (AIPerf's ``seed``) through every mode, untimed: are the replies
+    equal, and which turns came back without content in each mode? (A tiny model with random
+    weights ends some replies at their first token; AIPerf counts such a turn as an error.)"""
+    with deployed(workload) as (state, _, urls):
+        work = Path(tempfile.mkdtemp(prefix=f"kvturn-replay-{workload.name}-"))
+        checked = compare_answers(workload, state, urls, work, seed)
+    for mode in workload.modes:
+        empty = sorted(
+            f"{c}#{t}" for (c, t), text in answers(work / f"answers-{mode}").items()
+            if not text.strip()
+        )  # fmt: skip
+        checked["modes"].setdefault(mode, {})["empty"] = empty
+        print(f"     {mode}: no content in {', '.join(empty) or 'no turn'}", flush=True)
+    return checked
+
+
+def run_workload(
+    workload: Workload,
+    repeats: int,
+    seed: int,
+    check_answers: bool = False,
+    pace: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    runs: list[dict[str, Any]] = []
+    with deployed(workload) as (state, router_command, urls):
+        engines = state["prefill"] + state["decode"]
+        gateway = urls["kvturn"]
         work = Path(tempfile.mkdtemp(prefix=f"kvturn-aiperf-{workload.name}-"))
         for repeat, mode in interleaved(workload.modes, repeats):
             run_seed = seed + 100 * repeat + MODES.index(mode)
@@ -507,7 +537,9 @@ def run_workload(
                 flush=True,
             )
         checked = (
-            compare_answers(workload, state, urls, work, seed, pace) if check_answers else None
+            compare_answers(workload, state, urls, work, seed + 9999, pace)
+            if check_answers
+            else None
         )
     return {
         "workload": workload.__dict__,
@@ -532,10 +564,10 @@ def compare_answers(
     never changes an answer, which is what this checks."""
     for mode in workload.modes:
         wait_idle(state["prefill"] + state["decode"])
-        print(f"   {mode} (answers, seed {seed + 9999})", flush=True)
+        print(f"   {mode} (answers, seed {seed})", flush=True)
         run_aiperf(
             workload, mode, urls[mode], str(state["model"]), str(state["model_path"]),
-            seed + 9999, work / f"answers-{mode}", outputs=True, pace=pace,
+            seed, work / f"answers-{mode}", outputs=True, pace=pace,
         )  # fmt: skip
     return answers_compared(workload.modes, work)
 
@@ -819,6 +851,12 @@ def main() -> int:
         "--render", action="store_true",
         help="only write the .md again from the .json of an earlier run (--date, --notes)",
     )  # fmt: skip
+    parser.add_argument(
+        "--replay-seed", type=int, default=None,
+        help="instead of timed runs: one run's prompts (its seed, as its record says) through "
+        "every mode of each workload; prints whether the replies are equal and which turns "
+        "came back without content",
+    )  # fmt: skip
     parser.add_argument("--date", help="with --render: the run's date (UTC, as in its .md)")
     parser.add_argument("--notes", help="with --render: what the run's .md said besides")
     args = parser.parse_args()
@@ -831,6 +869,10 @@ def main() -> int:
     for tool in (AIPERF_BIN, ROUTER_BIN):
         if not tool.exists():
             raise SystemExit(f"{tool} is missing: see this script's docstring for the set-up")
+    if args.replay_seed is not None:
+        for name in args.workloads.split(","):
+            print(json.dumps(replay(WORKLOADS[name], args.replay_seed, pace(args))), flush=True)
+        return 0
     results = []
     for name in args.workloads.split(","):
         results.append(

@@ -1,5 +1,5 @@
-"""benchmarks/aiperf_multiturn.py: the least job any deployment could take, from AIPerf's own
-records of one run (no engines, no AIPerf)."""
+"""benchmarks/aiperf_multiturn.py, from AIPerf's own records of a run (no engines, no AIPerf): the
+least job any deployment could take, and the replies it compares."""
 
 from __future__ import annotations
 
@@ -68,3 +68,22 @@ def test_the_floor_is_the_longest_conversations_pauses_or_all_pauses_over_the_sl
     # A run from before pauses were recorded: the busiest slot's at their mean (2 conversations
     # a slot, 2 pauses of 1 s each).
     assert aiperf_multiturn.job_floor_s({}, workload) == pytest.approx(4.0)
+
+
+def test_a_turn_without_content_is_an_empty_reply_not_a_differing_one(tmp_path: Path) -> None:
+    # ``outputs.json`` as AIPerf 0.13 writes it (``--export-outputs-json``).
+    outputs = {
+        "schema_version": "1",
+        "data": [
+            {"conversation_id": "a", "turn_index": 0, "response_text": "Jupiter."},
+            # A turn whose stream carried no content (AIPerf counts it as an error).
+            {"conversation_id": "a", "turn_index": 1, "metrics": {}, "response_text": None},
+        ],
+    }
+    for mode in ("vllm-pd", "kvturn"):
+        (tmp_path / f"answers-{mode}").mkdir()
+        (tmp_path / f"answers-{mode}" / "outputs.json").write_text(json.dumps(outputs))
+    replies = aiperf_multiturn.answers(tmp_path / "answers-kvturn")
+    assert replies == {("a", 0): "Jupiter.", ("a", 1): ""}
+    checked = aiperf_multiturn.answers_compared(("vllm-pd", "kvturn"), tmp_path)
+    assert checked["modes"]["kvturn"] == {"equal": 2, "differ": [], "empty_in_baseline": 1}
