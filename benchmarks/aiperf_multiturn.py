@@ -177,6 +177,17 @@ WORKLOADS = {
             decode_blocks=400,
         ),
         Workload(
+            "beyond-prefill-cache-loaded",
+            "beyond-prefill-cache with twice the agents under way: 12 of 24 conversations at "
+            "once (~53k tokens of history) against 96 blocks of prefill KV and 800 of decode",
+            conversations=24,
+            turns=6,
+            delay_ms=1500,
+            concurrency=12,
+            prefill_blocks=96,
+            decode_blocks=800,
+        ),
+        Workload(
             "two-prefills",
             "2 prefills (64 blocks, 8k tokens, each) + 1 decode (400 blocks): placement by hash "
             "of X-Session-ID (vllm-router) against by what the engines hold (kvturn)",
