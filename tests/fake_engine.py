@@ -59,6 +59,9 @@ _RECORDED_HEADERS = (b"x-request-id", b"traceparent", b"tracestate")
 _PROMPT_TOKENS = 1000
 #: Ports whose decode requests fail with a 500 (a decode that broke).
 FAIL_DECODE_PORTS: set[int] = set()
+#: Ports whose streamed decode replies are a role, then an error event (vLLM's answer when
+#: decode's read of the prompt's KV fails: 200 at once, the failure inside the stream).
+ERROR_STREAM_DECODE_PORTS: set[int] = set()
 #: Ports whose lease routes stay silent for SILENT_S seconds (past the gateway's 2 s).
 SILENT_CONTROL_PORTS: set[int] = set()
 SILENT_S = 4.0
@@ -249,6 +252,20 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         return
     if scope["server"][1] in FAIL_DECODE_PORTS:
         await _send_json(send, 500, {"error": {"message": "decode broke", "type": "x"}})
+        return
+    if scope["server"][1] in ERROR_STREAM_DECODE_PORTS and body.get("stream"):
+        COUNTS["error_streams"] = COUNTS.get("error_streams", 0) + 1
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        role = {"id": request_id, "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "finish_reason": None}]}  # fmt: skip
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                           "param": None, "code": 500}}  # fmt: skip
+        for event in (f"data: {json.dumps(role)}\n\n", f"data: {json.dumps(error)}\n\n",
+                      "data: [DONE]\n\n"):  # fmt: skip
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     push = str(params.get("remote_engine_id")).startswith("fake-push-")
     if params.get("do_remote_prefill") and push:

@@ -144,3 +144,56 @@ def test_reuse_across_hosts_and_a_decode_host_unplugged(hosts: dict[str, Any]) -
     ), (fourth.plan, fourth.reason)
     assert fourth.reused_tokens > 1000
     assert fourth.token_ids == single_engine_ids(prefill, model, messages, MAX_TOKENS)
+
+
+def _black_hole(host: str) -> None:
+    """Drop every packet of ``host`` but its API's and its control server's: its engine and
+    lease routes answer, its KV transfers go nowhere (nothing refused, nothing reset)."""
+    namespace = ["ip", "netns", "exec", f"{TAG}-{host}", "iptables", "-A"]
+    for chain, port_flag, link_flag in (("INPUT", "--dport", "-i"), ("OUTPUT", "--sport", "-o")):
+        for port in ("8000", "8300"):
+            rule = [chain, "-p", "tcp", port_flag, port, "-j", "ACCEPT"]
+            subprocess.run([*namespace, *rule], check=True)
+        subprocess.run([*namespace, chain, link_flag, "lo", "-j", "ACCEPT"], check=True)
+        subprocess.run([*namespace, chain, "-j", "DROP"], check=True)
+
+
+def test_a_holder_whose_kv_transfers_go_nowhere(hosts: dict[str, Any]) -> None:
+    """Measured before the fix: with the holder's NIXL traffic dropped (its API and control
+    server still answering), the turn's KV read waited out the gateway's 600 s request timeout,
+    and with reads timing out, decode's failure came inside a 200 stream and reached the client
+    as an error. Now a read gives up after UCX's TCP user timeout (``kvturn engine`` sets 5 s),
+    a decode that fails before its first token is served again elsewhere, and the turn is
+    answered, rightly, in seconds."""
+    state = hosts
+    client = openai.OpenAI(
+        base_url=state["gateway"], api_key=state["api_key"], max_retries=0, timeout=300
+    )
+    model, prefill = state["model"], state["prefill"][0]
+    cid = f"hosts-{uuid.uuid4()}"
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": long_prompt(1500, f"black hole {uuid.uuid4()}")}
+    ]
+    before = [_retained(state, i) for i in (0, 1)]
+    first = run_turn(client, model, messages, cid, max_tokens=MAX_TOKENS)
+    holders = [i for i in (0, 1) if _retained(state, i) > before[i]]
+    assert len(holders) == 1, holders
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And then? Say it in a few words."},
+    ]
+    second = run_turn(client, model, messages, cid, max_tokens=MAX_TOKENS)
+    assert second.plan == "pull-reuse", (second.plan, second.reason)
+
+    _black_hole({0: "d1", 1: "d2"}[holders[0]])
+    messages += [
+        {"role": "assistant", "content": second.text},
+        {"role": "user", "content": "One more thing, briefly."},
+    ]
+    started = time.monotonic()
+    third = run_turn(client, model, messages, cid, max_tokens=MAX_TOKENS)
+    took = time.monotonic() - started
+    assert third.plan == "recompute", (third.plan, third.reason)
+    assert third.reason in ("decode-failed", "pull-failed"), third.reason
+    assert third.token_ids == single_engine_ids(prefill, model, messages, MAX_TOKENS)
+    assert took < 60, f"the turn took {took:.1f} s"

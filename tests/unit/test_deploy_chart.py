@@ -456,6 +456,8 @@ def test_engines_get_kvturns_connector_config_per_pool(rendered: Rendered) -> No
         assert capabilities.get("drop") == own.get("drop")
         for name, value in values["engine"]["ucxEnv"].items():
             assert env[name]["value"] == str(value)
+        # A transfer to a pod that stopped answering fails in seconds, whatever else is set.
+        assert env["UCX_TCP_USER_TIMEOUT"]["value"] == "5s"
 
 
 # ---- values that would deploy something broken fail to render ------------------------------

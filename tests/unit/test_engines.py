@@ -47,6 +47,10 @@ def test_engines_load_the_kvturn_connector(tiny: Path) -> None:
     env = spec.environment({})
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(spec.side_channel_port)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(spec.cpu)
+    # A transfer to a host that stopped answering fails in seconds, not the kernel's ~15 min;
+    # an operator's own setting stands.
+    assert env["UCX_TCP_USER_TIMEOUT"] == "5s"
+    assert spec.environment({"UCX_TCP_USER_TIMEOUT": "30s"})["UCX_TCP_USER_TIMEOUT"] == "30s"
 
 
 def test_max_model_len_follows_the_model(tiny: Path, tmp_path: Path) -> None:

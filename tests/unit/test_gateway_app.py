@@ -781,6 +781,47 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                     fake_engine.FAIL_DECODE_PORTS.clear()
 
 
+def test_a_decode_whose_stream_fails_before_its_first_token_means_recompute_elsewhere() -> None:
+    """vLLM answers a streamed request with 200 at once and reports a failure inside the
+    stream: measured on two hosts, a decode whose read of prefill's KV timed out sent a role and
+    an error event, and the client got that error. No byte of a reply had reached it: the turn
+    is served again on the other decode, and the client sees only that reply."""
+    from tests import fake_engine
+
+    with running_fake_engine() as prefill, running_fake_engine() as first:  # noqa: SIM117
+        with running_fake_engine() as other:
+            config = GatewayConfig(
+                prefill=endpoints([prefill]), decode=endpoints([first, other], [first, other])
+            )
+            with running_gateway(config) as gateway:
+                _turn(gateway.url, "error-stream")
+                _recorded(gateway, "error-stream")
+                store = gateway.app.state.gateway.store
+                holder = store.peek(scoped_key("", "error-stream")).holder_url
+                spare = other if holder == first else first
+                errors = fake_engine.COUNTS.get("error_streams", 0)
+                fake_engine.ERROR_STREAM_DECODE_PORTS.add(int(holder.rsplit(":", 1)[1]))
+                try:
+                    second = _turn(gateway.url, "error-stream", stream=True)
+                    _counted("error_streams", errors, "the holder's stream never failed")
+                    assert second.headers["x-kvturn-plan"] == "recompute"
+                    assert second.headers["x-kvturn-plan-reason"] == "decode-failed"
+                    assert "error" not in second.text
+                    content = [
+                        json.loads(line[5:])["choices"][0]["delta"].get("content")
+                        for line in second.text.splitlines()
+                        if line.startswith("data: {") and '"choices": [{' in line
+                    ]
+                    assert "".join(c or "" for c in content) == "ok"
+                    assert second.text.rstrip().endswith("data: [DONE]")
+                    _until(
+                        lambda: store.peek(scoped_key("", "error-stream")).holder_url == spare,
+                        "the turn's KV was not recorded on the other decode",
+                    )
+                finally:
+                    fake_engine.ERROR_STREAM_DECODE_PORTS.clear()
+
+
 def test_a_holder_whose_control_server_is_silent_is_not_the_turns_decode() -> None:
     """Stop 54's CI failure: the holder's host was unplugged, its claim went unanswered, and
     the recomputed turn was sent to decode on that same holder (preferred, and still healthy

@@ -29,7 +29,7 @@ from kvturn.gateway.turns.model import (
     Turn,
     passthrough,
 )
-from kvturn.gateway.turns.relay import Relay
+from kvturn.gateway.turns.relay import Relay, reply_start
 from kvturn.gateway.turns.settle import After, Settlement
 from kvturn.wire import CONVERSATION_KEY, EXPIRES_IN_KEY, LEASE_KEY, PAUSE_KEY, PREFIX_DIGESTS_KEY
 
@@ -231,6 +231,27 @@ class Decoder:
             await upstream.aclose()
             instance.in_flight -= 1
             raise DecodeFailed(instance.url, unreachable=False)
+        head: list[bytes] | None = []
+        if upstream.status == 200:
+            try:
+                head = await reply_start(upstream)
+            except UpstreamUnavailable as error:
+                await upstream.aclose()
+                instance.in_flight -= 1
+                raise DecodeFailed(instance.url, unreachable=not error.local) from error
+            except asyncio.CancelledError:
+                # The client left before the first token: as for a whole reply (_whole).
+                await upstream.aclose()
+                instance.in_flight -= 1
+                after.holder, after.incomplete = None, True
+                prefilled.uncounted = None
+                self.settlement.settle_later(after)
+                raise
+            if head is None:
+                # Decode failed before replying (an error event first): serve the turn again.
+                await upstream.aclose()
+                instance.in_flight -= 1
+                raise DecodeFailed(instance.url, unreachable=False)
         self.settlement.mark_settling(after)
         if upstream.status != 200:
             try:
@@ -243,7 +264,15 @@ class Decoder:
             self.settlement.settle_later(after)
             return passthrough(upstream.status, payload, response_headers)
         relay = Relay(
-            self.settlement, upstream, instance, prefilled, after, turn.started, sent, sending.spans
+            self.settlement,
+            upstream,
+            instance,
+            prefilled,
+            after,
+            turn.started,
+            sent,
+            sending.spans,
+            head=head,
         )
         return Reply(200, headers=response_headers, stream=relay)
 

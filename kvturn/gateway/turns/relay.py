@@ -33,6 +33,64 @@ STREAM_BROKE = (
 )
 
 
+async def reply_start(upstream: StreamResponse) -> list[bytes] | None:
+    """Read decode's stream up to its first event that says more than the reply's role (a
+    token, a finish, usage, or the stream's end): the chunks read, to relay first; ``None`` if
+    an error event came first. vLLM answers a streamed request with 200 at once and reports a
+    failure inside the stream (``data: {"error": ...}``), as it does when decode's read of the
+    prompt's KV fails (a prefill host that stopped answering: the read times out, see
+    :mod:`kvturn.gateway.ops.launch.engines`): no byte of a reply has reached the client then,
+    and the turn can be served again. The role comes with the first token, so waiting for it
+    delays nothing. Raises :class:`UpstreamUnavailable` if the stream breaks off first."""
+    chunks: list[bytes] = []
+    pending = b""
+    while True:
+        chunk = await next_chunk(upstream)
+        if chunk is None:
+            return chunks
+        chunks.append(chunk)
+        pending += chunk
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            said = _says(event)
+            if said == "error":
+                return None
+            if said == "more":
+                return chunks
+
+
+def _says(event: bytes) -> str:
+    """``error``, ``role`` (only the reply's role, or nothing), or ``more``, of one SSE event."""
+    lines = event.strip().splitlines()
+    data_lines = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+    if not data_lines:
+        return "role"  # a comment or a keep-alive
+    if any(line.startswith(b"event:") for line in lines):
+        return "more"  # a named event, not a chat chunk: relayed as it comes
+    data = b"\n".join(data_lines)
+    if data == b"[DONE]":
+        return "more"
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return "more"  # not ours to judge: relay it
+    if not isinstance(payload, dict):
+        return "more"
+    if "error" in payload:
+        return "error"
+    if payload.get("usage"):
+        return "more"
+    for choice in payload.get("choices") or ():
+        if not isinstance(choice, dict):
+            return "more"
+        delta = choice.get("delta")
+        if choice.get("finish_reason") or not isinstance(delta, dict):
+            return "more"
+        if any(value for key, value in delta.items() if key != "role"):
+            return "more"
+    return "role"
+
+
 class Relay:
     """Decode's streamed reply on its way to the client (a
     :class:`~kvturn.gateway.replies.ReplyStream`): observes TTFT at the first chunk; when the
@@ -49,7 +107,10 @@ class Relay:
         started: float,
         sent: float,
         spans: tracing.DecodeSpans | None = None,
+        head: list[bytes] | None = None,
     ):
+        #: What :func:`reply_start` read already, relayed first.
+        self.head = list(head or ())
         self.settlement = settlement
         self.upstream = upstream
         self.prefilled = prefilled
@@ -67,13 +128,13 @@ class Relay:
 
     @property
     def at_end(self) -> bool:
-        return self.upstream.at_end
+        return not self.head and self.upstream.at_end
 
     async def next_chunk(self) -> bytes | None:
         if self.broken:
             return None
         try:
-            chunk = await next_chunk(self.upstream)
+            chunk = self.head.pop(0) if self.head else await next_chunk(self.upstream)
         except UpstreamUnavailable as error:
             # Too late to retry the turn: tell the client the OpenAI way (the SDK raises an
             # APIError for an error event) rather than cutting the connection.

@@ -39,6 +39,9 @@ Role = Literal["prefill", "decode", "single"]
 
 #: Resident memory one CPU engine needs, measured here (~3.5 GB), used by the pre-flight check.
 ENGINE_MEMORY_BYTES = 3_500_000_000
+#: How long a KV transfer's bytes may go unacknowledged over UCX's TCP transport before the
+#: connection is given up (UCX's ``UCX_TCP_USER_TIMEOUT``; see ``EngineSpec.environment``).
+UCX_TCP_USER_TIMEOUT = "5s"
 
 
 class EngineError(RuntimeError):
@@ -205,6 +208,14 @@ class EngineSpec:
             env["VLLM_USE_AOT_COMPILE"] = "0"
         if self.hub_offline:
             env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
+        # A KV transfer over UCX's TCP transport to a host that stopped answering (its link
+        # down, its packets dropped) otherwise waits out the kernel's retransmissions, about
+        # 15 minutes: measured on two "hosts" (deploy/several_hosts.sh, the holder's NIXL
+        # traffic dropped), a pull hung 600 s, until the gateway's request timeout. With this,
+        # the read fails after it, vLLM fails the request (kv_load_failure_policy "fail"), and
+        # the gateway serves the turn again. A host that answers acknowledges at once, however
+        # busy its engine. Set the variable to keep one of your own.
+        env.setdefault("UCX_TCP_USER_TIMEOUT", UCX_TCP_USER_TIMEOUT)
         env.update(
             {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": self.address,
