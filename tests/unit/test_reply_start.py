@@ -63,6 +63,12 @@ def test_an_error_before_any_token_is_a_failed_decode() -> None:
     assert start(Stream([b": keep-alive\n\n", ERROR])) is None
 
 
+def test_an_error_about_the_request_itself_is_the_replys_own() -> None:
+    # A 4xx inside the stream says the same on any engine: relayed, not served again.
+    refused = event({"error": {"message": "bad", "type": "BadRequestError", "code": 400}})
+    assert start(Stream([ROLE, refused, DONE])) == [ROLE, refused]
+
+
 def test_an_error_after_a_token_is_the_replys_own() -> None:
     # Bytes have reached the client by then: relayed as they came, never retried.
     assert start(Stream([ROLE + TOKEN + ERROR])) == [ROLE + TOKEN + ERROR]

@@ -36,12 +36,13 @@ STREAM_BROKE = (
 async def reply_start(upstream: StreamResponse) -> list[bytes] | None:
     """Read decode's stream up to its first event that says more than the reply's role (a
     token, a finish, usage, or the stream's end): the chunks read, to relay first; ``None`` if
-    an error event came first. vLLM answers a streamed request with 200 at once and reports a
-    failure inside the stream (``data: {"error": ...}``), as it does when decode's read of the
-    prompt's KV fails (a prefill host that stopped answering: the read times out, see
-    :mod:`kvturn.gateway.ops.launch.engines`): no byte of a reply has reached the client then,
-    and the turn can be served again. The role comes with the first token, so waiting for it
-    delays nothing. Raises :class:`UpstreamUnavailable` if the stream breaks off first."""
+    an error event of a failure (5xx) came first. vLLM answers a streamed request with 200 at
+    once and reports a failure inside the stream (``data: {"error": ...}``), as it does when
+    decode's read of the prompt's KV fails (a prefill host that stopped answering: the read
+    times out, see :mod:`kvturn.gateway.ops.launch.engines`): no byte of a reply has reached
+    the client then, and the turn can be served again. The role comes with the first token, so
+    waiting for it delays nothing. Raises :class:`UpstreamUnavailable` if the stream breaks off
+    first."""
     chunks: list[bytes] = []
     pending = b""
     while True:
@@ -77,7 +78,11 @@ def _says(event: bytes) -> str:
     if not isinstance(payload, dict):
         return "more"
     if "error" in payload:
-        return "error"
+        # vLLM reports a failure while generating (a KV read that failed among them) as a 5xx;
+        # what it says of the request itself (4xx) is the reply, relayed as it comes.
+        error = payload["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+        return "more" if isinstance(code, int) and code < 500 else "error"
     if payload.get("usage"):
         return "more"
     for choice in payload.get("choices") or ():
