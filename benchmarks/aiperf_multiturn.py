@@ -612,9 +612,7 @@ def pauses_taken(out: Path) -> dict[str, float]:
     run left), so two runs of one workload sleep different pauses.
 
     ``longest_s``: the conversation that paused longest; ``total_s``: every conversation's
-    pauses; ``floor_s``: the least job any deployment could take with these pauses, one that
-    answered every turn at once: no conversation ends before its own pauses, and at most
-    ``concurrency`` conversations pause at a time."""
+    pauses (what :func:`job_floor_s` makes the run's floor of)."""
     turns: dict[str, list[tuple[int, int, int]]] = {}
     with next(out.rglob("profile_export.jsonl")).open() as records:
         for line in records:
@@ -632,8 +630,9 @@ def pauses_taken(out: Path) -> dict[str, float]:
 
 def job_floor_s(run: dict[str, Any], w: dict[str, Any]) -> float:
     """The least job any deployment could take with the pauses ``run`` took
-    (:func:`pauses_taken`); for a run from before they were recorded, the pauses at their mean
-    (:func:`pause_floor_s`)."""
+    (:func:`pauses_taken`), even one that answered every turn at once: no conversation ends
+    before its own pauses, and at most ``concurrency`` conversations pause at a time. For a run
+    from before they were recorded, the pauses at their mean (:func:`pause_floor_s`)."""
     taken = run.get("pauses")
     if not taken:
         return pause_floor_s(w)

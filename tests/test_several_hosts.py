@@ -81,11 +81,10 @@ def _retained(state: dict[str, Any], i: int) -> int:
     return int(stats.json()["retained"])
 
 
-def test_reuse_across_hosts_and_a_decode_host_unplugged(hosts: dict[str, Any]) -> None:
-    state = hosts
-    for pid in state["pids"].values():  # UCX's TCP transport only, in every engine
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        assert b"UCX_TLS=tcp" in environ or pid == state["pids"]["gw"]
+def _pulled_from_a_holder(state: dict[str, Any]) -> tuple[Any, list[Any], str, int, Any]:
+    """A conversation's first turn, then a second that prefill's host pulls from the decode
+    host holding the first (over TCP), answers equal to the prefill engine's alone: the client,
+    the messages so far, the conversation id, the holder (0 or 1) and the second turn."""
     client = openai.OpenAI(
         base_url=state["gateway"], api_key=state["api_key"], max_retries=0, timeout=300
     )
@@ -100,9 +99,7 @@ def test_reuse_across_hosts_and_a_decode_host_unplugged(hosts: dict[str, Any]) -
     assert first.token_ids == single_engine_ids(prefill, model, messages, MAX_TOKENS)
     holders = [i for i in (0, 1) if _retained(state, i) > before[i]]
     assert len(holders) == 1, holders
-    holder, other = holders[0], 1 - holders[0]
 
-    # Turn 2: prefill's host pulls the history from the decode host that holds it, over TCP.
     messages += [
         {"role": "assistant", "content": first.text},
         {"role": "user", "content": "And then? Say it in a few words."},
@@ -113,6 +110,16 @@ def test_reuse_across_hosts_and_a_decode_host_unplugged(hosts: dict[str, Any]) -
     assert second.reused_tokens > 1000
     reads.wait_for(1, min_bytes=1)  # prefill's host read the history from the decode host
     assert second.token_ids == single_engine_ids(prefill, model, messages, MAX_TOKENS)
+    return client, messages, cid, holders[0], second
+
+
+def test_reuse_across_hosts_and_a_decode_host_unplugged(hosts: dict[str, Any]) -> None:
+    state = hosts
+    for pid in state["pids"].values():  # UCX's TCP transport only, in every engine
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"UCX_TLS=tcp" in environ or pid == state["pids"]["gw"]
+    client, messages, cid, holder, second = _pulled_from_a_holder(state)
+    model, prefill, other = state["model"], state["prefill"][0], 1 - holder
 
     # The decode host holding the conversation is unplugged: the next turn is still answered,
     # recomputed on the other decode host, and no slower than the gateway's own timeouts.
@@ -166,26 +173,10 @@ def test_a_holder_whose_kv_transfers_go_nowhere(hosts: dict[str, Any]) -> None:
     a decode that fails before its first token is served again elsewhere, and the turn is
     answered, rightly, in seconds."""
     state = hosts
-    client = openai.OpenAI(
-        base_url=state["gateway"], api_key=state["api_key"], max_retries=0, timeout=300
-    )
+    client, messages, cid, holder, second = _pulled_from_a_holder(state)
     model, prefill = state["model"], state["prefill"][0]
-    cid = f"hosts-{uuid.uuid4()}"
-    messages: list[dict[str, Any]] = [
-        {"role": "user", "content": long_prompt(1500, f"black hole {uuid.uuid4()}")}
-    ]
-    before = [_retained(state, i) for i in (0, 1)]
-    first = run_turn(client, model, messages, cid, max_tokens=MAX_TOKENS)
-    holders = [i for i in (0, 1) if _retained(state, i) > before[i]]
-    assert len(holders) == 1, holders
-    messages += [
-        {"role": "assistant", "content": first.text},
-        {"role": "user", "content": "And then? Say it in a few words."},
-    ]
-    second = run_turn(client, model, messages, cid, max_tokens=MAX_TOKENS)
-    assert second.plan == "pull-reuse", (second.plan, second.reason)
 
-    _black_hole({0: "d1", 1: "d2"}[holders[0]])
+    _black_hole({0: "d1", 1: "d2"}[holder])
     messages += [
         {"role": "assistant", "content": second.text},
         {"role": "user", "content": "One more thing, briefly."},

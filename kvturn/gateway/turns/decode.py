@@ -173,11 +173,7 @@ class Decoder:
         except UpstreamUnavailable as error:
             raise DecodeFailed(instance.url, unreachable=not error.local) from error
         except asyncio.CancelledError:
-            # The client left: the engine request was closed (vLLM aborts it). Free what
-            # decode may keep of it, as for a stream the client left.
-            after.holder, after.incomplete = None, True
-            prefilled.uncounted = None  # nor counted: the turn never answered
-            self.settlement.settle_later(after)
+            self._client_left(after, prefilled)
             raise
         finally:
             instance.in_flight -= 1
@@ -209,6 +205,14 @@ class Decoder:
         self.settlement.settle_later(after)
         return Reply(200, payload, response_headers)
 
+    def _client_left(self, after: After, prefilled: PrefillResult) -> None:
+        """The client left before decode replied: the engine request was closed (vLLM aborts
+        it). Free what decode may keep of it, as for a stream the client left; the turn is not
+        counted, since it never answered."""
+        after.holder, after.incomplete = None, True
+        prefilled.uncounted = None
+        self.settlement.settle_later(after)
+
     async def _streamed(
         self,
         turn: Turn,
@@ -227,31 +231,25 @@ class Decoder:
         except UpstreamUnavailable as error:
             instance.in_flight -= 1
             raise DecodeFailed(instance.url, unreachable=not error.local) from error
-        if upstream.status >= 500:
+        head: list[bytes] | None = []
+        try:
+            if upstream.status == 200:
+                head = await reply_start(upstream)
+        except UpstreamUnavailable as error:
+            await upstream.aclose()
+            instance.in_flight -= 1
+            raise DecodeFailed(instance.url, unreachable=not error.local) from error
+        except asyncio.CancelledError:
+            await upstream.aclose()
+            instance.in_flight -= 1
+            self._client_left(after, prefilled)
+            raise
+        if upstream.status >= 500 or head is None:
+            # Decode failed before replying (a 5xx, or an error event before any token): the
+            # turn can be served again.
             await upstream.aclose()
             instance.in_flight -= 1
             raise DecodeFailed(instance.url, unreachable=False)
-        head: list[bytes] | None = []
-        if upstream.status == 200:
-            try:
-                head = await reply_start(upstream)
-            except UpstreamUnavailable as error:
-                await upstream.aclose()
-                instance.in_flight -= 1
-                raise DecodeFailed(instance.url, unreachable=not error.local) from error
-            except asyncio.CancelledError:
-                # The client left before the first token: as for a whole reply (_whole).
-                await upstream.aclose()
-                instance.in_flight -= 1
-                after.holder, after.incomplete = None, True
-                prefilled.uncounted = None
-                self.settlement.settle_later(after)
-                raise
-            if head is None:
-                # Decode failed before replying (an error event first): serve the turn again.
-                await upstream.aclose()
-                instance.in_flight -= 1
-                raise DecodeFailed(instance.url, unreachable=False)
         self.settlement.mark_settling(after)
         if upstream.status != 200:
             try:
