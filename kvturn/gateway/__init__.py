@@ -1,6 +1,6 @@
 """kvturn's gateway: an OpenAI-compatible server in front of vLLM prefill and decode pools.
 
-Its rooms (the README's Layout section has the table): :mod:`.api` (the routes
+Its rooms (CONTRIBUTING.md's Layout section has the table): :mod:`.api` (the routes
 :func:`.app.create_app` mounts), :mod:`.turns` (one turn, by collaborators), :mod:`.state` (the
 conversation table, the implicit index, the Responses store), :mod:`.responses` (the Responses
 API), :mod:`.http` (the HTTP/1.1 server and the engine client) and :mod:`.ops` (the operator's
