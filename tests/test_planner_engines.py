@@ -10,6 +10,7 @@ how much of a local turn's prompt it served.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from tests.engine_requests import (
     NixlReads,
     chat,
     long_prompt,
+    metric_total,
     single_engine_completion_ids,
     single_engine_ids,
 )
@@ -217,6 +219,70 @@ def test_a_long_suffix_or_an_edited_history_goes_to_pd(local_pair: LocalPair) ->
         ]
         assert any('reason="suffix-too-long"' in line for line in plans), plans
         assert any('reason="history-edited"' in line for line in plans), plans
+
+
+def _prompt_tokens_computed(url: str) -> float:
+    """Prompt tokens an engine computed itself (vLLM's own count: not served from its prefix
+    cache, not received over NIXL)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return metric_total(text, 'vllm:prompt_tokens_by_source_total{source="local_compute"')
+
+
+def test_a_suffix_that_would_stall_the_holders_streams_is_computed_on_prefill(
+    local_pair: LocalPair,
+) -> None:
+    """While the holder decodes another conversation's stream, a turn whose suffix would stall
+    that stream past ``local_stall_budget_s`` is pulled: prefill reads the history over NIXL and
+    computes the suffix, decode computes none of it. With the holder idle, the same kind of
+    turn continues there and no KV moves."""
+    pair = local_pair
+    with running_gateway(_config(pair)) as gateway:
+        client = _client(gateway)
+        conversation = f"budget-{uuid.uuid4().hex[:8]}"
+        messages = _opening("moraines", 1500)
+        first = run_turn(client, pair.model, messages, conversation)
+        wait_recorded(gateway, conversation)
+        # Another conversation's long reply, decoding on the same (only) decode engine.
+        other = _opening("cirques", 300)
+        decoding, done = threading.Event(), threading.Event()
+
+        def stream_other() -> None:
+            reply = client.chat.completions.create(
+                model=pair.model, messages=other, max_tokens=600, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for _ in reply:
+                decoding.set()
+            done.set()
+
+        streamer = threading.Thread(target=stream_other, daemon=True)
+        streamer.start()
+        assert decoding.wait(60)
+        assert not done.is_set()
+        reads = NixlReads(pair.prefill_url)
+        decode_computed = _prompt_tokens_computed(pair.decode_url)
+        messages = _next(messages, first, 0)  # a ~250-token tool result: ~40 ms of compute
+        second = run_turn(client, pair.model, messages, conversation)
+        assert not done.is_set(), "the other stream ended before the turn was planned"
+        assert (second.plan, second.reason) == ("pull-reuse", "streams-budget")
+        _assert_same_answer(pair, second, messages)
+        # Engine-side: prefill read the held history from decode over NIXL...
+        reads.wait_for(1, min_bytes=second.reused_tokens * KV_BYTES_PER_TOKEN)
+        assert second.reused_tokens >= first.prompt_tokens - 2 * 128
+        # ...and decode computed no more than a block of the new prompt (it received the
+        # rest from prefill): the suffix ran on prefill, not inside the other stream's steps.
+        suffix = second.prompt_tokens - first.prompt_tokens
+        assert _prompt_tokens_computed(pair.decode_url) - decode_computed < min(128, suffix)
+        streamer.join(120)
+        assert done.is_set()
+        wait_recorded(gateway, conversation)
+        # The holder idle again: the next turn continues there, and no KV moves.
+        transfers = Transfers(pair, gateway)
+        messages = _next(messages, second, 1)
+        third = run_turn(client, pair.model, messages, conversation)
+        assert (third.plan, third.reason) == ("decode-local", "cheaper")
+        _assert_same_answer(pair, third, messages)
+        assert transfers.settle() == (0, 0)
 
 
 def test_official_client_without_an_id_gets_reuse(

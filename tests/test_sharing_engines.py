@@ -8,6 +8,7 @@ vLLM counts them) and its answer against one engine alone with a fresh cache sal
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,6 +42,10 @@ def gateway(local_pair: LocalPair) -> Iterator[GatewayThread]:
         # What each plan does is the point here; on one host a pull and a local prefill cost
         # within noise of each other, and the choice by cost has its own unit tests.
         local_preference=1.0,
+        # Parallel turns share their decode with a stream still under way: what the stall
+        # budget does then is test_planner_engines.py's
+        # test_a_suffix_that_would_stall_the_holders_streams_is_computed_on_prefill.
+        local_stall_budget_s=math.inf,
     )
     with running_gateway(config) as running:
         yield running

@@ -68,6 +68,9 @@ class GatewayConfig:
     #: How much slower than a pull a decode-local turn may be predicted and still be chosen
     #: (see :class:`kvturn.gateway.planner.LocalLimits`).
     local_preference: float = 0.25
+    #: The longest a local prefill may stall the holder's other streams, seconds (see
+    #: :class:`kvturn.gateway.planner.LocalLimits`): past it, a busy holder's turn is pulled.
+    local_stall_budget_s: float = 0.005
     #: Requests without a conversation id that extend a recent turn's messages and reply are
     #: served as that conversation's next turn.
     implicit_conversations: bool = True
@@ -182,6 +185,8 @@ class GatewayConfig:
             raise ValueError("max_local_suffix_tokens and max_local_running must be >= 0")
         if not self.local_preference >= 0:
             raise ValueError(f"local_preference must be >= 0, not {self.local_preference}")
+        if not self.local_stall_budget_s >= 0:
+            raise ValueError(f"local_stall_budget_s must be >= 0, not {self.local_stall_budget_s}")
         if not self.local_stall_weight >= 0:
             raise ValueError(f"local_stall_weight must be >= 0, not {self.local_stall_weight}")
         if self.transfer not in ("pull", "push"):
@@ -247,6 +252,7 @@ class GatewayConfig:
             "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
+            "local_stall_budget_s": float,
             "implicit_conversations": parse_flag, "shared_prefixes": parse_flag, "state": str,
             "state_timeout_s": float,
             "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,

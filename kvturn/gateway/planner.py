@@ -43,7 +43,8 @@ class TurnPlan:
     #: ``cache-salt-changed``, ``prefill-cached`` (a planned pull read nothing: prefill's own
     #: prefix cache already held what the lease did).
     #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``history-edited``,
-    #: ``suffix-too-long``, ``holder-busy``, ``cheaper``. ``decode-local``: ``cheaper``;
+    #: ``suffix-too-long``, ``holder-busy``, ``streams-budget``, ``cheaper``. ``decode-local``:
+    #: ``cheaper``;
     #: ``fork`` and ``parallel`` (the prompt starts with KV another turn holds or took, read
     #: through the holder's prefix cache: :class:`~.turns.model.Source`).
     reason: str
@@ -102,6 +103,14 @@ class LocalLimits:
     max_suffix_tokens: int = 2048
     #: Requests the holder may already be serving (its decode batch) for a local prefill.
     max_running: int = 8
+    #: The longest a local prefill may stall the streams the holder is decoding, seconds: the
+    #: suffix's compute (:meth:`CostModel.local_stall_seconds`) runs inside one of their
+    #: steps, so each of them waits that long for its next token. Past it, while the holder
+    #: decodes any stream, the suffix is computed on prefill instead (a pull: decode then only
+    #: reads KV, which costs its streams nothing measurable). Measured with AIPerf's agentic
+    #: workload (benchmarks/results/aiperf_agentic.md): without it, suffixes computed on a busy
+    #: decode took kvturn's inter-token latency p99 to 2-3x plain P/D's.
+    stall_budget_s: float = 0.005
     #: Seconds of delay to other streams, per second of the turn's own time to first token:
     #: a local prefill of ``t`` seconds on a decode serving ``k`` streams costs ``t`` for this
     #: turn and ``stall_weight * k * t`` for the others.
@@ -151,6 +160,9 @@ def choose_reuse(inputs: ReuseInputs, limits: LocalLimits, costs: CostModel) -> 
         return TurnPlan("pull-reuse", "suffix-too-long")
     if inputs.holder_running >= limits.max_running:
         return TurnPlan("pull-reuse", "holder-busy")
+    if _stalls_streams(inputs.holder_running, inputs.holder_url, suffix, inputs.prefill_url,
+                       limits, costs):  # fmt: skip
+        return TurnPlan("pull-reuse", "streams-budget")
     local = costs.local_seconds(inputs.holder_url, suffix, inputs.prefill_url)
     local += limits.stall_weight * inputs.holder_running * local
     pull = costs.pull_seconds(inputs.prefill_url, inputs.held_tokens, suffix)
@@ -187,12 +199,30 @@ def choose_shared(
     suffix = max(1, inputs.prompt_tokens - inputs.covered_tokens)
     if suffix > limits.max_suffix_tokens or inputs.holder_running >= limits.max_running:
         return None
+    if _stalls_streams(inputs.holder_running, inputs.holder_url, suffix, inputs.prefill_url,
+                       limits, costs):  # fmt: skip
+        return None
     local = costs.local_seconds(inputs.holder_url, suffix, inputs.prefill_url)
     local += limits.stall_weight * inputs.holder_running * local
     recompute = costs.recompute_seconds(inputs.prefill_url, inputs.prompt_tokens)
     if local > recompute * (1 + limits.preference):
         return None
     return TurnPlan("decode-local", inputs.kind)
+
+
+def _stalls_streams(
+    running: int,
+    holder_url: str,
+    suffix: int,
+    prefill_url: str,
+    limits: LocalLimits,
+    costs: CostModel,
+) -> bool:
+    """Whether a local prefill of ``suffix`` would stall the holder's ``running`` streams past
+    the budget (an idle holder stalls nobody)."""
+    if running <= 0:
+        return False
+    return costs.local_stall_seconds(holder_url, suffix, prefill_url) > limits.stall_budget_s
 
 
 class LinearCost:
@@ -301,6 +331,17 @@ class CostModel:
         if prefill_url is not None and prefill_url in self.prefill:
             prior = (PRIOR_LOCAL[0], self.prefill[prefill_url].coefficients()[1])
         return self._local(decode_url).predict(suffix, prior)
+
+    def local_stall_seconds(
+        self, decode_url: str, suffix: int, prefill_url: str | None = None
+    ) -> float:
+        """The compute of a local prefill of ``suffix`` on ``decode_url``: the per-token part of
+        :meth:`local_seconds`, without its fixed cost (the hop, the engine's own scheduling),
+        which delays no other stream."""
+        prior = None
+        if prefill_url is not None and prefill_url in self.prefill:
+            prior = (PRIOR_LOCAL[0], self.prefill[prefill_url].coefficients()[1])
+        return self._local(decode_url).coefficients(prior)[1] * suffix
 
     def recompute_seconds(self, prefill_url: str, prompt: int) -> float:
         """Plain P/D of a ``prompt``-token turn: prefill, then decode's read of it."""

@@ -5,6 +5,7 @@ checked exactly."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,8 +158,10 @@ def test_the_holder_computes_as_fast_as_the_prefill_it_would_pull_for() -> None:
     )
     plan = choose_reuse(_inputs(), LocalLimits(), costs)
     assert plan.plan == "decode-local"
-    # A decode serving one stream: the stall it suffers doubles the local cost, still cheaper.
-    assert choose_reuse(_inputs(holder_running=1), LocalLimits(), costs).plan == "decode-local"
+    # A decode serving one stream: the stall it suffers doubles the local cost, still cheaper
+    # (with no budget on the stall itself; the budget has tests of its own).
+    unbudgeted = LocalLimits(stall_budget_s=math.inf)
+    assert choose_reuse(_inputs(holder_running=1), unbudgeted, costs).plan == "decode-local"
 
 
 def test_a_pull_through_a_fast_prefill_beats_a_slow_holder() -> None:
@@ -618,6 +621,10 @@ def _post(url: str, conversation: str, messages: list[Any], stream: bool) -> htt
     return response
 
 
+#: A request whose prompt is some hundreds of tokens (the fake engine counts a token a byte).
+_HISTORY = {"role": "user", "content": "List the root directory, then say what each entry is. " * 5}
+
+
 @pytest.mark.parametrize("block_size", [0, 128])
 @pytest.mark.parametrize("case", ["counted", "prefix", "bounded"])
 def test_a_streamed_local_turn_claims_exactly_the_whole_blocks_it_can_reuse(
@@ -629,38 +636,47 @@ def test_a_streamed_local_turn_claims_exactly_the_whole_blocks_it_can_reuse(
     in whole blocks of the holder when its block size is known. One token more is a claim the
     holder's prefix cache cannot serve.
 
-    ``counted``: the prompt (1000 tokens) is longer than the verified prefix (992, whole
-    digest chunks); ``prefix``: the new prompt is the verified prefix itself (992 tokens), so
-    its last token, which the engine always computes, bounds the claim; ``bounded``: the turn
+    ``counted``: the prompt (the same request again) is longer than the verified prefix
+    (whole digest chunks, short of the held prompt's last tokens); ``prefix``: the new prompt
+    is the verified prefix itself (a completion request of exactly those token ids), so its
+    last token, which the engine always computes, bounds the claim; ``bounded``: the turn
     extends the held one and is planned from a bound on its new tokens."""
     from tests import fake_engine
 
-    if block_size:  # the fake reports its engine facts (a 128-token block) with a lease limit
+    if block_size:  # the fake reports its engine facts (its block size) with a lease limit
         monkeypatch.setattr(fake_engine, "MAX_LEASE_S", 300.0)
+        monkeypatch.setattr(fake_engine, "BLOCK_SIZE", block_size)
     config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
     with running_gateway(config) as gateway:
         holder = gateway.app.state.gateway.decode.instances[0]
         if block_size:
             _until(lambda: holder.block_size == block_size, "the block size was never learned")
         conversation = f"claims-{block_size}-{case}"
-        messages = [{"role": "user", "content": "local: list the root directory"}]
+        messages = [_HISTORY]
         _post(gateway.url, conversation, messages, stream=False)
         _recorded(gateway, conversation)
         entry = gateway.app.state.gateway.store.peek(scoped_key("", conversation))
         held_digest_tokens = entry.held_digest_tokens
-        assert held_digest_tokens > 0
+        prompt = fake_engine.prompt_ids({"messages": messages})
+        # The held prompt's whole digest chunks, short of its last 8 tokens (BOUNDARY_TOKENS).
+        assert held_digest_tokens == (len(prompt) - 8) // 16 * 16 > 128
+        path, body = "/v1/chat/completions", {"model": "fake", "messages": messages}
         if case == "bounded":  # planned from a bound on its new tokens: never counted
-            messages = [*messages, _REPLY, _TOOL_RESULT]
+            body["messages"] = [*messages, _REPLY, _TOOL_RESULT]
             verified = held_digest_tokens
         else:  # counted by the engine's tokenizer
-            if case == "prefix":  # the fake's next prompts: the 992 tokens digested, no more
-                monkeypatch.setattr(fake_engine, "_PROMPT_TOKENS", held_digest_tokens)
-            body = {"model": "fake", "messages": messages}
+            if case == "prefix":  # the digested tokens, no more
+                path = "/v1/completions"
+                body = {"model": "fake", "prompt": prompt[:held_digest_tokens]}
             counted = httpx.post(fake_url + "/tokenize", json=body)
             verified = min(held_digest_tokens, counted.json()["count"] - 1)
-        assert verified == {"counted": 992, "prefix": 991, "bounded": 992}[case]
+        assert verified == held_digest_tokens - (1 if case == "prefix" else 0)
         expected = verified - verified % block_size if block_size else verified
-        second = _post(gateway.url, conversation, messages, stream=True)
+        second = httpx.post(
+            gateway.url + path, json={**body, "stream": True},
+            headers={"X-Conversation-Id": conversation},
+        )  # fmt: skip
+        assert second.status_code == 200, second.text
         assert second.headers["x-kvturn-plan"] == "decode-local"
         assert holder.block_size == block_size
         assert int(second.headers["x-kvturn-reused-tokens"]) == expected
@@ -710,9 +726,12 @@ def test_shared_kv_suffix_and_preference_bounds() -> None:
     half = LocalLimits(preference=0.5)
     assert choose_shared(_shared(), half, _Recording(local=3.0, recompute=2.0), 64) is not None
     assert choose_shared(_shared(), half, _Recording(local=3.5, recompute=2.0), 64) is None
-    # One stream on the holder doubles the local cost: 4.0 against 2.5 * 1.25.
+    # One stream on the holder doubles the local cost: 4.0 against 2.5 * 1.25 (the stall
+    # budget aside: it has tests of its own).
     busy = _shared(holder_running=1)
-    assert choose_shared(busy, LocalLimits(), _Recording(local=2.0, recompute=2.5), 64) is None
+    unbudgeted = LocalLimits(stall_budget_s=math.inf)
+    assert choose_shared(busy, unbudgeted, _Recording(local=2.0, recompute=2.5), 64) is None
+    assert choose_shared(busy, unbudgeted, _Recording(local=1.0, recompute=2.5), 64)
     assert choose_shared(_shared(), LocalLimits(), _Recording(local=2.0, recompute=2.5), 64)
 
 

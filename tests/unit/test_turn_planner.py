@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
 from collections.abc import Iterator
@@ -92,12 +93,40 @@ def test_holder_overloaded_goes_to_pd() -> None:
 
 def test_stall_on_the_holders_streams_tips_a_long_suffix_to_pd() -> None:
     # A 1,500-token local prefill is cheap for this turn alone, but delays every stream the
-    # holder is decoding: with three of them, P/D is cheaper overall.
-    assert _choose(prompt_tokens=5500, holder_running=0).plan == "decode-local"
-    plan = _choose(prompt_tokens=5500, holder_running=3)
+    # holder is decoding: with three of them, P/D is cheaper overall (the stall budget aside:
+    # the tests below).
+    unbudgeted = LocalLimits(stall_budget_s=math.inf)
+    assert _choose(unbudgeted, prompt_tokens=5500, holder_running=0).plan == "decode-local"
+    plan = _choose(unbudgeted, prompt_tokens=5500, holder_running=3)
     assert (plan.plan, plan.reason) == ("pull-reuse", "cheaper")
     # Without the stall term the same turn stays local.
-    assert _choose(LocalLimits(stall_weight=0), prompt_tokens=5500, holder_running=3).local
+    no_weight = LocalLimits(stall_weight=0, stall_budget_s=math.inf)
+    assert _choose(no_weight, prompt_tokens=5500, holder_running=3).local
+
+
+def test_a_suffix_that_would_stall_the_holders_streams_past_the_budget_is_pulled() -> None:
+    # Priors: 1.5e-4 s a token, so a 216-token suffix is ~32 ms of compute inside one of the
+    # holder's decode steps.
+    costs = CostModel()
+    assert costs.local_stall_seconds(HOLDER, 216) == pytest.approx(216 * 1.5e-4)
+    # An idle holder stalls nobody: local, whatever the budget.
+    assert _choose(LocalLimits(stall_budget_s=0.0), holder_running=0).local
+    # One stream decoding there: past the budget, the suffix is computed on prefill.
+    plan = _choose(LocalLimits(stall_budget_s=0.03), holder_running=1)
+    assert (plan.plan, plan.reason) == ("pull-reuse", "streams-budget")
+    assert _choose(LocalLimits(stall_budget_s=0.033), holder_running=1).local
+    # A short suffix fits the default budget (5 ms: ~33 tokens by the priors).
+    assert _choose(prompt_tokens=3984 + 30, holder_running=2).local
+    assert _choose(prompt_tokens=3984 + 40, holder_running=2).reason == "streams-budget"
+
+
+def test_the_stall_is_the_holders_learned_per_token_cost_not_its_fixed_cost() -> None:
+    costs = CostModel()
+    # A holder whose local turns take 50 ms of hop and queueing, 0.1 ms a token.
+    for suffix in (100, 300, 600, 900, 200, 1100, 50, 700) * 5:
+        costs.observe_local(HOLDER, suffix, 0.05 + suffix * 1e-4)
+    assert costs.local_stall_seconds(HOLDER, 100) == pytest.approx(0.01, rel=0.05)
+    assert costs.local_seconds(HOLDER, 100) == pytest.approx(0.06, rel=0.05)
 
 
 def test_edited_history_pulls_what_still_matches() -> None:

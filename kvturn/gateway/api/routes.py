@@ -114,6 +114,7 @@ async def _status(gateway: Gateway) -> Rendered:
             "max_local_running": config.max_local_running,
             "local_stall_weight": config.local_stall_weight,
             "local_preference": config.local_preference,
+            "local_stall_budget_s": config.local_stall_budget_s,
             "implicit_conversations": config.implicit_conversations,
             "shared_prefixes": config.shared_prefixes,
             "lease_s": config.lease_s,

@@ -64,6 +64,10 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "max_local_running": (int, "requests a holder may be serving for a decode-local turn"),
     "local_stall_weight": (float, "weight of the delay a local prefill costs other streams"),
     "local_preference": (float, "a local prefill may be predicted this much slower than a pull"),
+    "local_stall_budget_s": (
+        float,
+        "longest a local prefill may stall the holder's other streams, seconds (past it: pull)",
+    ),
     "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
     "shared_prefixes": (
         parse_flag,

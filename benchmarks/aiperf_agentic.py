@@ -1,0 +1,525 @@
+"""kvturn against the strongest baselines on AIPerf's agentic-coding workload, equal KV per engine.
+
+Set-up (AIPerf and vllm-router each pin their own dependencies: a venv each):
+
+    python3.11 -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf==0.13.0
+    python3.11 -m venv .venv-router && .venv-router/bin/pip install vllm-router==0.1.17
+
+Run:
+
+    .venv/bin/python benchmarks/aiperf_agentic.py                       # tight, 3 repeats
+    .venv/bin/python benchmarks/aiperf_agentic.py --workloads roomy --repeats 3
+
+The workload is AIPerf's own agentic-coding generator (``aiperf synthesize agentic-code``) with
+``benchmarks/agentic_code.json``: its default configuration (sized for GPUs: 32k-token
+prefixes, 6k-token turns) scaled down for two CPU cores and the tiny model. Sessions share a
+global tools + system prefix, a group prefix (three groups, Zipf), their own session prefix,
+and a history that grows by a tool result or user message a turn; 70% of the pauses are short
+tool pauses and 30% long human pauses; sessions end at a context limit or by a random reset.
+Replies run to their drawn length (``ignore_eos``; median 71 tokens) so streams are long
+enough to show inter-token latency. AIPerf replays it unmodified (``--custom-dataset-type
+mooncake_trace``), a fixed number of sessions under way at once, each turn's recorded delay
+after the last, the history accumulated, greedy sampling.
+
+Every mode runs on the same engine processes (one ``kvturn up``), with the **same KV cache per
+engine** on prefill and decode, interleaved, ``--repeats`` times each (the order alternates
+from one repeat to the next). Before the timed runs every mode serves a discarded warm-up run
+(fresh CPU engines are slow on their first requests; the first timed run would otherwise be
+whichever mode goes first).
+
+``vllm-pd``
+    vLLM P/D with prefix caching on every engine, behind vllm-router 0.1.17
+    (``--vllm-pd-disaggregation``, ``consistent_hash`` on ``X-Session-ID``). Decode keeps
+    nothing of a request beyond vLLM's own prefix cache (``--no-retain-untracked``).
+``decode-affinity``
+    What llm-d's and Dynamo's routers do (``benchmarks/affinity_router.py``): a turn whose
+    non-cached part, by an approximate index of what the session's decode was sent, is at most
+    500 tokens runs on that decode alone, served from vLLM's LRU prefix cache; any other turn
+    goes through P/D. No leases, no release, no SDK.
+``kvturn``
+    kvturn's gateway as shipped, in front of the same engines, the same session header.
+``kvturn-no-budget``
+    (an alternative, measured to choose the default) a second kvturn gateway
+    (``kvturn serve``) on the same engines with ``--local-stall-budget-s inf``: a turn may
+    compute its suffix on a decode that is streaming others' replies, as kvturn did before
+    the budget (its stall then only weighed in the cost, ``--local-stall-weight``).
+
+Each run records AIPerf's TTFT p50/p90, inter-token latency p50/p99, request latency p50/p90
+and the job (AIPerf's benchmark duration); the engines' prompt tokens by source (computed,
+served from their prefix cache, received over NIXL); kvturn's plans; the pauses AIPerf took.
+Ratios are kvturn's median over each baseline's, with the range over every pair of runs (a
+range holding 1.00 is a tie); the "best" column takes, per metric, the baseline with the lowest
+median. Results: ``benchmarks/results/aiperf_agentic.md`` (and ``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pair import (
+    ROOT,
+    ROUTER_BIN,
+    ROUTER_PORT,
+    SESSION_HEADER,
+    as_deployed,
+    engine_counters,
+    gateway_plan_reasons,
+    interleaved,
+    server,
+    shown,
+    wait_idle,
+)
+from aiperf_multiturn import AIPERF_BIN, answers, job_floor_s, pauses_taken
+
+from kvturn.wire import CONTROL_SECRET_ENV
+
+RESULTS = Path(__file__).parent / "results"
+CONFIG = Path(__file__).parent / "agentic_code.json"
+GATEWAY_PORT = 28000
+NO_BUDGET_PORT = 28050
+AFFINITY_PORT = 29400
+BLOCK_SIZE = 128
+MODES = ("vllm-pd", "decode-affinity", "kvturn", "kvturn-no-budget")
+BASELINES = ("vllm-pd", "decode-affinity")
+#: (AIPerf metric, statistic, the key a run records it under)
+METRICS = (
+    ("time_to_first_token", "p50", "ttft_p50"),
+    ("time_to_first_token", "p90", "ttft_p90"),
+    ("inter_token_latency", "p50", "itl_p50"),
+    ("inter_token_latency", "p99", "itl_p99"),
+    ("request_latency", "p50", "latency_p50"),
+    ("request_latency", "p90", "latency_p90"),
+)
+SHOWN = (
+    ("TTFT p50", "ttft_p50"), ("TTFT p90", "ttft_p90"), ("ITL p50", "itl_p50"),
+    ("ITL p99", "itl_p99"), ("latency p50", "latency_p50"), ("job", "job_s"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    what: str
+    sessions: int = 24
+    concurrency: int = 8
+    #: KV blocks (128 tokens) of every engine, prefill and decode alike; None: 2 GiB each.
+    kv_blocks: int | None = None
+    #: The generator's seed: the sessions' shapes (lengths, pauses); AIPerf's seed per run
+    #: draws the text.
+    shape_seed: int = 7
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload(
+            "tight",
+            "the sessions' working set beyond one engine's KV but within the pool's: 8 of 24 "
+            "sessions under way (histories of 2.5-10k tokens, about 45k tokens at once) against "
+            "256 blocks (33k tokens) on each engine, prefill and decode alike",
+            kv_blocks=256,
+        ),
+        Workload(
+            "roomy",
+            "memory to spare: 2 GiB of KV per engine (about 500k tokens), the same sessions",
+        ),
+        Workload(
+            "smoke",
+            "a check that every part runs (not a measurement)",
+            sessions=4,
+            concurrency=2,
+            kv_blocks=256,
+        ),
+    )
+}
+
+
+def synthesize(workload: Workload, into: Path) -> Path:
+    """AIPerf's agentic-coding generator's dataset for ``workload`` (its ``dataset.jsonl``)."""
+    subprocess.run(
+        [str(AIPERF_BIN), "synthesize", "agentic-code", "--num-sessions", str(workload.sessions),
+         "--config", str(CONFIG), "--seed", str(workload.shape_seed), "--output", str(into)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    return next(into.rglob("dataset.jsonl"))
+
+
+#: The Hugging Face repo name AIPerf is given for the model's tokenizer (see :func:`hf_cache`).
+TOKENIZER_REPO = "kvturn/tiny"
+
+
+def hf_cache(model_path: Path, into: Path) -> dict[str, str]:
+    """AIPerf 0.13's prompt-synthesis workers (trace datasets) force Hugging Face's offline
+    mode and then cannot load a tokenizer from a plain folder (``HFValidationError``): lay the
+    model folder's tokenizer files out as a cache entry of :data:`TOKENIZER_REPO` under
+    ``into`` and return the environment that makes AIPerf read it from there, offline."""
+    revision = "0" * 40
+    repo = into / "hub" / f"models--{TOKENIZER_REPO.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json",
+                 "generation_config.json", "special_tokens_map.json"):  # fmt: skip
+        if (model_path / name).exists():
+            (snapshot / name).write_bytes((model_path / name).read_bytes())
+    return {"HF_HOME": str(into), "HF_HUB_OFFLINE": "1"}
+
+
+def run_aiperf(
+    workload: Workload,
+    mode: str,
+    url: str,
+    state: dict[str, Any],
+    dataset: Path,
+    seed: int,
+    out: Path,
+    outputs: bool = False,
+    requests: int | None = None,
+) -> dict[str, Any]:
+    command = [
+        str(AIPERF_BIN), "profile",
+        "--model", str(state["model"]),
+        "--tokenizer", TOKENIZER_REPO,
+        "--url", url,
+        "--endpoint-type", "chat",
+        "--streaming",
+        "--custom-dataset-type", "mooncake_trace",
+        "--input-file", str(dataset),
+        "--isl-block-size", str(BLOCK_SIZE),
+        "--no-fixed-schedule",
+        "--concurrency", str(workload.concurrency),
+        "--random-seed", str(seed),
+        "--extra-inputs", "temperature:0",
+        "--extra-inputs", "ignore_eos:true",
+        "--session-header", SESSION_HEADER,
+        # Output tokens as the engine counted them (usage): the tiny model's byte-level ids
+        # decode to text that AIPerf's tokenizer counts differently, which skews ITL.
+        "--use-server-token-count",
+        "--no-server-metrics",
+        "--ui-type", "none",
+        "--artifact-dir", str(out),
+        # Every session once, in the dataset's order (a session's turns in order, the next
+        # session started as one ends); the warm-up: its first ``requests`` turns.
+        "--dataset-sampling-strategy", "sequential",
+        "--request-count", str(requests or sum(1 for _ in dataset.open())),
+        *(["--export-outputs-json"] if outputs else []),
+    ]  # fmt: skip
+    started = time.monotonic()
+    env = {**os.environ, **hf_cache(Path(state["model_path"]), out.parent / "hf")}
+    done = subprocess.run(
+        command, cwd=out.parent, capture_output=True, text=True, timeout=3600, env=env
+    )
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                           f"{done.stderr[-3000:]}")  # fmt: skip
+    data = json.loads(next(out.rglob("profile_export_aiperf.json")).read_text())
+    return {"command": shown(tuple(command)), "wall_s": wall, "aiperf": data}
+
+
+def metric(data: dict[str, Any], name: str, stat: str) -> float | None:
+    records = data.get("records", data)
+    entry = records.get(name) if isinstance(records, dict) else None
+    if isinstance(entry, dict) and stat in entry:
+        return float(entry[stat])
+    return None
+
+
+@contextlib.contextmanager
+def deployed(workload: Workload) -> Iterator[tuple[dict[str, Any], dict[str, str], dict[str, str]]]:
+    """One ``kvturn up`` (equal KV per engine), vllm-router and the decode-affinity router in
+    front of its engines: the state, each mode's URL, each router's command."""
+    blocks = workload.kv_blocks
+    extra = ("--prefill-kv-blocks", str(blocks)) if blocks else ()
+    print(f"== {workload.name}: starting engines", flush=True)
+    with as_deployed(
+        gateway_port=GATEWAY_PORT, kv_cache_gb=2, decode_kv_blocks=blocks, extra_args=extra
+    ) as (state, router_command):
+        # 2 GiB of the tiny model's KV: 4,096 blocks (kvturn up's log says so); the index's
+        # capacity is what the decode holds.
+        affinity = [
+            sys.executable, str(Path(__file__).parent / "affinity_router.py"),
+            *[a for url in state["prefill"] for a in ("--prefill", url)],
+            *[a for url in state["decode"] for a in ("--decode", url)],
+            "--port", str(AFFINITY_PORT), "--decode-blocks", str(blocks or 4096),
+        ]  # fmt: skip
+        no_budget = [
+            sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
+            "--port", str(NO_BUDGET_PORT), "--local-stall-budget-s", "inf",
+            *[a for url in state["prefill"] for a in ("--prefill", url)],
+            *[a for url in state["decode"] for a in ("--decode", url)],
+            *[a for url in state["decode_control"] for a in ("--decode-control", url)],
+        ]  # fmt: skip
+        secret = {CONTROL_SECRET_ENV: state["control_secret"]}
+        with (
+            server(*affinity, port=AFFINITY_PORT),
+            server(*no_budget, port=NO_BUDGET_PORT, env=secret),
+        ):
+            urls = {
+                "vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}",
+                "decode-affinity": f"http://127.0.0.1:{AFFINITY_PORT}",
+                "kvturn": str(state["gateway"]).removesuffix("/v1"),
+                "kvturn-no-budget": f"http://127.0.0.1:{NO_BUDGET_PORT}",
+            }
+            routers = {"vllm-pd": router_command, "decode-affinity": shown(tuple(affinity))}
+            yield state, urls, routers
+
+
+def wait_leases_ended(state: dict[str, Any], timeout_s: float = 150) -> float:
+    """Until no decode holds a lease (kvturn's conversations, which AIPerf never releases, end
+    when their leases lapse): the next run, of whichever mode, starts with the same free KV.
+    Returns the seconds waited."""
+    auth = {"Authorization": f"Bearer {state['control_secret']}"}
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        held = sum(
+            int(httpx.get(f"{url}/kvturn/leases", headers=auth, timeout=30).json()["blocks_held"])
+            for url in state["decode_control"]
+        )
+        if held == 0:
+            break
+        time.sleep(1)
+    return time.monotonic() - started
+
+
+def run_workload(
+    workload: Workload,
+    repeats: int,
+    seed: int,
+    check_answers: bool,
+    warmup_requests: int,
+    modes: tuple[str, ...] = MODES,
+) -> dict[str, Any]:
+    runs: list[dict[str, Any]] = []
+    work = Path(tempfile.mkdtemp(prefix=f"kvturn-agentic-{workload.name}-"))
+    dataset = synthesize(workload, work / "dataset")
+    with deployed(workload) as (state, urls, routers):
+        engines = state["prefill"] + state["decode"]
+        for mode in modes:  # discarded: every mode's first requests on these engines
+            print(f"   {mode} (warm-up, {warmup_requests} requests)", flush=True)
+            run_aiperf(workload, mode, urls[mode], state, dataset, seed - 1 - MODES.index(mode),
+                       work / f"warmup-{mode}", requests=warmup_requests)  # fmt: skip
+            wait_idle(engines)
+            wait_leases_ended(state)
+        for repeat, mode in interleaved(modes, repeats):
+            run_seed = seed + 100 * repeat + MODES.index(mode)
+            wait_idle(engines)
+            wait_leases_ended(state)
+            before = engine_counters(engines)
+            reasons_before = gateway_plan_reasons(urls["kvturn"])
+            print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
+            out = work / f"{mode}-{repeat}"
+            result = run_aiperf(workload, mode, urls[mode], state, dataset, run_seed, out)
+            wait_idle(engines)
+            after = engine_counters(engines)
+            reasons_after = gateway_plan_reasons(urls["kvturn"])
+            data = result["aiperf"]
+            run: dict[str, Any] = {
+                "mode": mode, "repeat": repeat, "seed": run_seed, "command": result["command"],
+                **{key: metric(data, name, stat) for name, stat, key in METRICS},
+                "job_s": metric(data, "benchmark_duration", "avg") or result["wall_s"],
+                "requests": metric(data, "request_count", "avg"),
+                "errors": metric(data, "error_request_count", "avg") or 0.0,
+                "tokens": {k: after[k] - before[k] for k in after},
+                "reasons": {k: v - reasons_before.get(k, 0.0) for k, v in reasons_after.items()
+                            if v - reasons_before.get(k, 0.0)},
+                "pauses": pauses_taken(out),
+            }  # fmt: skip
+            runs.append(run)
+            shown_now = [f"{label} {run[key]:.1f}" for label, key in SHOWN if run[key] is not None]
+            print(f"     {', '.join(shown_now)}, errors {run['errors']:.0f}, tokens "
+                  f"{run['tokens']}, plans {run['reasons']}", flush=True)  # fmt: skip
+        checked = None
+        if check_answers:
+            for mode in modes:
+                print(f"   {mode} (answers, seed {seed + 9999})", flush=True)
+                run_aiperf(workload, mode, urls[mode], state, dataset, seed + 9999,
+                           work / f"answers-{mode}", outputs=True)  # fmt: skip
+            replies = {mode: answers(work / f"answers-{mode}") for mode in modes}
+            base = replies[modes[0]]
+            checked = {
+                mode: {"equal": sum(replies[mode].get(k) == v for k, v in base.items()),
+                       "turns": len(base)}
+                for mode in modes[1:]
+            }  # fmt: skip
+            print(f"     answers: {checked}", flush=True)
+    return {
+        "workload": asdict(workload),
+        "routers": routers,
+        "runs": runs,
+        "answers": checked,
+        "artifacts": str(work),
+        "dataset_lines": sum(1 for _ in dataset.open()),
+    }
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def spread(values: list[float], digits: int = 0) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def ratio(mine: list[float], base: list[float]) -> str:
+    """kvturn's median over the baseline's, (every run over every run); bold only where the
+    whole range is below 1.0."""
+    if not mine or not base:
+        return "-"
+    pairs = sorted(m / b for m in mine for b in base if b)
+    middle = statistics.median(mine) / statistics.median(base)
+    text = f"{middle:.2f} ({pairs[0]:.2f}-{pairs[-1]:.2f})"
+    return f"**{text}**" if pairs[-1] < 1.0 else text
+
+
+def report(results: list[dict[str, Any]], argv: list[str], date: str) -> str:
+    lines = [
+        "# kvturn against the strongest baselines: AIPerf's agentic-coding workload",
+        "",
+        f"Command: `.venv/bin/python benchmarks/aiperf_agentic.py {' '.join(argv)}`",
+        f"Date: {date} UTC; machine: {os.cpu_count()} cores shared by everything below; "
+        "model: tiny (float32); AIPerf 0.13.0 (unmodified; dataset from its agentic-coding "
+        "generator with `benchmarks/agentic_code.json`); vllm-router 0.1.17; every mode on the "
+        "same engine processes with the same KV per engine; each mode warmed up first, then "
+        "the repeats interleaved.",
+        "",
+        "Cells: median (min-max) over repeats. TTFT, ITL and latency in ms; job in s (AIPerf's "
+        "benchmark duration). Ratios: kvturn's median over the baseline's (the range over "
+        "every pair of runs); a range holding 1.00 is a tie, bold only where the whole range "
+        "is below 1.0. Tokens: prompt tokens the engines computed / served from their own "
+        "prefix cache / received over NIXL, a run (median).",
+        "",
+    ]
+    for result in results:
+        w = result["workload"]
+        runs = result["runs"]
+        kv = f"{w['kv_blocks']} blocks" if w["kv_blocks"] else "2 GiB"
+        lines += [
+            f"## {w['name']}", "", w["what"] + ".", "",
+            f"1 prefill + 1 decode, {kv} of KV each; {w['sessions']} sessions "
+            f"({result['dataset_lines']} turns), {w['concurrency']} under way.",
+            "",
+            "| mode | TTFT p50 | TTFT p90 | ITL p50 | ITL p99 | latency p50 | latency p90 | "
+            "job (s) | job floor (s) | computed / cached / received | errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        by_mode: dict[str, list[dict[str, Any]]] = {}
+        for run in runs:
+            by_mode.setdefault(run["mode"], []).append(run)
+
+        def col(
+            mode: str, key: str, by_mode: dict[str, list[dict[str, Any]]] = by_mode
+        ) -> list[float]:
+            return [r[key] for r in by_mode.get(mode, []) if r[key] is not None]
+
+        floor_w = {"concurrency": w["concurrency"]}
+        for mode, mine in by_mode.items():
+            tokens = " / ".join(
+                f"{statistics.median([r['tokens'][k] for r in mine]) / 1000:.0f}k"
+                for k in ("computed", "cached", "received")
+            )
+            digits = {"itl_p50": 1, "itl_p99": 1}
+            cells = [spread(col(mode, key), digits.get(key, 0)) for key in
+                     ("ttft_p50", "ttft_p90", "itl_p50", "itl_p99", "latency_p50", "latency_p90",
+                      "job_s")]  # fmt: skip
+            cells.append(spread([job_floor_s(r, floor_w) for r in mine]))
+            lines.append(f"| {mode} | " + " | ".join(cells) + f" | {tokens} | "
+                         f"{sum(col(mode, 'errors')):.0f} |")  # fmt: skip
+        kvturn = by_mode.get("kvturn", [])
+        reasons: dict[str, float] = {}
+        for r in kvturn:
+            for k, n in r["reasons"].items():
+                reasons[k] = reasons.get(k, 0.0) + n / len(kvturn)
+        plans = ", ".join(f"{k} {n:.0f}" for k, n in sorted(reasons.items()))
+        lines += ["", f"kvturn's turns by plan/reason a run (mean): {plans}."]
+        lines += [
+            "",
+            "| kvturn over | " + " | ".join(label for label, _ in SHOWN) + " |",
+            "|---|" + "---|" * len(SHOWN),
+        ]
+        for base in BASELINES:
+            if base in by_mode:
+                cells = [ratio(col("kvturn", key), col(base, key)) for _, key in SHOWN]
+                lines.append(f"| {base} | " + " | ".join(cells) + " |")
+        best_cells = []
+        for _, key in SHOWN:
+            present = [b for b in BASELINES if col(b, key)]
+            if not present:
+                best_cells.append("-")
+                continue
+            best = min(present, key=lambda b: statistics.median(col(b, key)))
+            best_cells.append(f"{ratio(col('kvturn', key), col(best, key))} vs {best}")
+        lines.append("| the best baseline | " + " | ".join(best_cells) + " |")
+        checked = result.get("answers")
+        if checked:
+            lines += ["", "Answers on one seed (greedy), against vllm-pd: " + "; ".join(
+                f"{mode} {c['equal']} of {c['turns']} equal" for mode, c in checked.items())
+                + "."]  # fmt: skip
+        routers = "; ".join(f"{m}: `{c}`" for m, c in result["routers"].items())
+        lines += ["", f"Routers: {routers}.", "",
+                  "AIPerf command of the first run: `" + runs[0]["command"] + "`", ""]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--workloads", default="tight", help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=3000)
+    parser.add_argument("--warmup-requests", type=int, default=48)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of these")
+    parser.add_argument(
+        "--answers",
+        action="store_true",
+        help="after the timed runs, every mode once more on one seed",
+    )
+    parser.add_argument("--output", default="aiperf_agentic", help="results file stem")
+    parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
+    args = parser.parse_args()
+    json_path, md_path = RESULTS / f"{args.output}.json", RESULTS / f"{args.output}.md"
+    if args.render:
+        saved = json.loads(json_path.read_text())
+        md_path.write_text(report(saved["results"], saved["argv"], saved["date"]))
+        return 0
+    for tool in (AIPERF_BIN, ROUTER_BIN):
+        if not tool.exists():
+            raise SystemExit(f"{tool} is missing: see this script's docstring for the set-up")
+    date = f"{datetime.now(UTC):%Y-%m-%d %H:%M}"
+    argv = sys.argv[1:]
+    results = []
+    for name in args.workloads.split(","):
+        modes = tuple(args.modes.split(","))
+        results.append(run_workload(WORKLOADS[name], args.repeats, args.seed, args.answers,
+                                    args.warmup_requests, modes))  # fmt: skip
+        RESULTS.mkdir(exist_ok=True)
+        json_path.write_text(json.dumps({"argv": argv, "date": date, "results": results},
+                                        indent=1))  # fmt: skip
+        md_path.write_text(report(results, argv, date))
+    print(md_path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    raise SystemExit(main())
