@@ -81,6 +81,7 @@ from _pair import (
     engine_counters,
     gateway_plan_reasons,
     interleaved,
+    local_pair,
     server,
     shown,
     wait_idle,
@@ -94,9 +95,10 @@ CONFIG = Path(__file__).parent / "agentic_code.json"
 GATEWAY_PORT = 28000
 NO_BUDGET_PORT = 28050
 AFFINITY_PORT = 29400
+BIDIRECTIONAL_PORT = 29500
 BLOCK_SIZE = 128
-MODES = ("vllm-pd", "decode-affinity", "kvturn", "kvturn-no-budget")
-BASELINES = ("vllm-pd", "decode-affinity")
+MODES = ("vllm-pd", "decode-affinity", "upstream-bidirectional", "kvturn", "kvturn-no-budget")
+BASELINES = ("vllm-pd", "decode-affinity", "upstream-bidirectional")
 #: (AIPerf metric, statistic, the key a run records it under)
 METRICS = (
     ("time_to_first_token", "p50", "ttft_p50"),
@@ -123,6 +125,11 @@ class Workload:
     #: The generator's seed: the sessions' shapes (lengths, pauses); AIPerf's seed per run
     #: draws the text.
     shape_seed: int = 7
+    #: Decode engines set up as upstream's bidirectional NixlConnector: every finished request
+    #: no kvturn gateway sent keeps its blocks for the fixed TTL (480 s), never reclaimed
+    #: (``kvturn up --retain-untracked``). Plain P/D's baselines cannot share those engines.
+    bidirectional: bool = False
+    modes: tuple[str, ...] = ("vllm-pd", "decode-affinity", "kvturn", "kvturn-no-budget")
 
 
 WORKLOADS = {
@@ -138,6 +145,15 @@ WORKLOADS = {
         Workload(
             "roomy",
             "memory to spare: 2 GiB of KV per engine (about 500k tokens), the same sessions",
+            modes=("vllm-pd", "decode-affinity", "kvturn"),
+        ),
+        Workload(
+            "roomy-bidirectional",
+            "upstream's bidirectional transfer with memory to spare (2 GiB of KV per engine): "
+            "its fixed 480 s retention pins the last turn of every session it served, which "
+            "the 256 blocks of tight could not hold",
+            bidirectional=True,
+            modes=("upstream-bidirectional", "kvturn"),
         ),
         Workload(
             "smoke",
@@ -242,32 +258,54 @@ def metric(data: dict[str, Any], name: str, stat: str) -> float | None:
     return None
 
 
+def _engine_flags(state: dict[str, Any], *, control: bool = False) -> list[str]:
+    keys = [("prefill", "--prefill"), ("decode", "--decode")]
+    if control:
+        keys.append(("decode_control", "--decode-control"))
+    return [a for key, flag in keys for url in state[key] for a in (flag, url)]
+
+
 @contextlib.contextmanager
 def deployed(workload: Workload) -> Iterator[tuple[dict[str, Any], dict[str, str], dict[str, str]]]:
-    """One ``kvturn up`` (equal KV per engine), vllm-router and the decode-affinity router in
-    front of its engines: the state, each mode's URL, each router's command."""
+    """One ``kvturn up`` (equal KV per engine) and the baselines' routers in front of its
+    engines: the state, each mode's URL, each router's command."""
     blocks = workload.kv_blocks
     extra = ("--prefill-kv-blocks", str(blocks)) if blocks else ()
     print(f"== {workload.name}: starting engines", flush=True)
+    secret = {CONTROL_SECRET_ENV: ""}
+    if workload.bidirectional:
+        with local_pair(
+            gateway_port=GATEWAY_PORT, kv_cache_gb=2, decode_kv_blocks=blocks,
+            prefill_prefix_cache=True, extra_args=("--retain-untracked", *extra),
+        ) as state:  # fmt: skip
+            secret[CONTROL_SECRET_ENV] = state["control_secret"]
+            proxy = [
+                sys.executable, str(Path(__file__).parent / "bidirectional_proxy.py"),
+                *_engine_flags(state, control=True), "--port", str(BIDIRECTIONAL_PORT),
+            ]  # fmt: skip
+            with server(*proxy, port=BIDIRECTIONAL_PORT, env=secret):
+                urls = {
+                    "upstream-bidirectional": f"http://127.0.0.1:{BIDIRECTIONAL_PORT}",
+                    "kvturn": str(state["gateway"]).removesuffix("/v1"),
+                }
+                yield state, urls, {"upstream-bidirectional": shown(tuple(proxy))}
+        return
     with as_deployed(
         gateway_port=GATEWAY_PORT, kv_cache_gb=2, decode_kv_blocks=blocks, extra_args=extra
     ) as (state, router_command):
+        secret[CONTROL_SECRET_ENV] = state["control_secret"]
         # 2 GiB of the tiny model's KV: 4,096 blocks (kvturn up's log says so); the index's
         # capacity is what the decode holds.
         affinity = [
             sys.executable, str(Path(__file__).parent / "affinity_router.py"),
-            *[a for url in state["prefill"] for a in ("--prefill", url)],
-            *[a for url in state["decode"] for a in ("--decode", url)],
-            "--port", str(AFFINITY_PORT), "--decode-blocks", str(blocks or 4096),
+            *_engine_flags(state), "--port", str(AFFINITY_PORT),
+            "--decode-blocks", str(blocks or 4096),
         ]  # fmt: skip
         no_budget = [
             sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
             "--port", str(NO_BUDGET_PORT), "--local-stall-budget-s", "inf",
-            *[a for url in state["prefill"] for a in ("--prefill", url)],
-            *[a for url in state["decode"] for a in ("--decode", url)],
-            *[a for url in state["decode_control"] for a in ("--decode-control", url)],
+            *_engine_flags(state, control=True),
         ]  # fmt: skip
-        secret = {CONTROL_SECRET_ENV: state["control_secret"]}
         with (
             server(*affinity, port=AFFINITY_PORT),
             server(*no_budget, port=NO_BUDGET_PORT, env=secret),
@@ -280,6 +318,15 @@ def deployed(workload: Workload) -> Iterator[tuple[dict[str, Any], dict[str, str
             }
             routers = {"vllm-pd": router_command, "decode-affinity": shown(tuple(affinity))}
             yield state, urls, routers
+
+
+def routed(mode: str, url: str) -> dict[str, int]:
+    """A baseline router's counts so far (how it served turns: decode alone or P/D; pulled
+    or plain), from its ``/health``; kvturn's plans come from its metrics instead."""
+    if mode not in ("decode-affinity", "upstream-bidirectional"):
+        return {}
+    counts = httpx.get(f"{url}/health", timeout=30).json()
+    return {k: int(v) for k, v in counts.items() if isinstance(v, int)}
 
 
 def wait_leases_ended(state: dict[str, Any], timeout_s: float = 150) -> float:
@@ -305,8 +352,9 @@ def run_workload(
     seed: int,
     check_answers: bool,
     warmup_requests: int,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
+    modes = modes or workload.modes
     runs: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix=f"kvturn-agentic-{workload.name}-"))
     dataset = synthesize(workload, work / "dataset")
@@ -317,19 +365,23 @@ def run_workload(
             run_aiperf(workload, mode, urls[mode], state, dataset, seed - 1 - MODES.index(mode),
                        work / f"warmup-{mode}", requests=warmup_requests)  # fmt: skip
             wait_idle(engines)
-            wait_leases_ended(state)
+            if not workload.bidirectional:
+                wait_leases_ended(state)
         for repeat, mode in interleaved(modes, repeats):
             run_seed = seed + 100 * repeat + MODES.index(mode)
             wait_idle(engines)
-            wait_leases_ended(state)
+            if not workload.bidirectional:
+                wait_leases_ended(state)
             before = engine_counters(engines)
             reasons_before = gateway_plan_reasons(urls["kvturn"])
+            routed_before = routed(mode, urls[mode])
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
             out = work / f"{mode}-{repeat}"
             result = run_aiperf(workload, mode, urls[mode], state, dataset, run_seed, out)
             wait_idle(engines)
             after = engine_counters(engines)
             reasons_after = gateway_plan_reasons(urls["kvturn"])
+            routed_after = routed(mode, urls[mode])
             data = result["aiperf"]
             run: dict[str, Any] = {
                 "mode": mode, "repeat": repeat, "seed": run_seed, "command": result["command"],
@@ -341,6 +393,7 @@ def run_workload(
                 "reasons": {k: v - reasons_before.get(k, 0.0) for k, v in reasons_after.items()
                             if v - reasons_before.get(k, 0.0)},
                 "pauses": pauses_taken(out),
+                "routed": {k: v - routed_before.get(k, 0) for k, v in routed_after.items()},
             }  # fmt: skip
             runs.append(run)
             shown_now = [f"{label} {run[key]:.1f}" for label, key in SHOWN if run[key] is not None]
@@ -453,6 +506,14 @@ def report(results: list[dict[str, Any]], argv: list[str], date: str) -> str:
                 reasons[k] = reasons.get(k, 0.0) + n / len(kvturn)
         plans = ", ".join(f"{k} {n:.0f}" for k, n in sorted(reasons.items()))
         lines += ["", f"kvturn's turns by plan/reason a run (mean): {plans}."]
+        for mode, mine in by_mode.items():
+            counted = [r.get("routed") or {} for r in mine]
+            keys = sorted({k for c in counted for k in c})
+            if keys:
+                cells = ", ".join(
+                    f"{k} {statistics.mean(c.get(k, 0) for c in counted):.0f}" for k in keys
+                )
+                lines.append(f"{mode}'s turns a run (mean): {cells}.")
         lines += [
             "",
             "| kvturn over | " + " | ".join(label for label, _ in SHOWN) + " |",
@@ -488,7 +549,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=3000)
     parser.add_argument("--warmup-requests", type=int, default=48)
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of these")
+    parser.add_argument("--modes", help="comma-separated (default: the workload's own)")
     parser.add_argument(
         "--answers",
         action="store_true",
@@ -509,7 +570,7 @@ def main() -> int:
     argv = sys.argv[1:]
     results = []
     for name in args.workloads.split(","):
-        modes = tuple(args.modes.split(","))
+        modes = tuple(args.modes.split(",")) if args.modes else None
         results.append(run_workload(WORKLOADS[name], args.repeats, args.seed, args.answers,
                                     args.warmup_requests, modes))  # fmt: skip
         RESULTS.mkdir(exist_ok=True)

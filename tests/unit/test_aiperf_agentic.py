@@ -1,0 +1,76 @@
+"""benchmarks/aiperf_agentic.py and its decode-affinity baseline (benchmarks/affinity_router.py),
+without engines or AIPerf: the router's prefix-cache index and the report's ratios."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import affinity_router
+import aiperf_agentic
+
+
+def test_the_affinity_index_counts_leading_blocks_it_was_sent() -> None:
+    index = affinity_router.BlockIndex(capacity=4, block_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    hashes = index.hashes(prompt)
+    assert len(hashes) == 3  # whole blocks only: the last token is a partial block
+    assert index.cached_tokens(hashes) == 0
+    index.record(hashes)
+    assert index.cached_tokens(hashes) == 6
+    # The next turn extends the prompt: its leading blocks are cached, the rest is not.
+    longer = index.hashes([*prompt, 8, 9, 10])
+    assert index.cached_tokens(longer) == 6
+    # Blocks are chained: the same tokens after a different start are not a hit.
+    assert index.cached_tokens(index.hashes([9, 9, 3, 4, 5, 6])) == 0
+
+
+def test_the_affinity_index_forgets_the_least_recently_sent_past_its_capacity() -> None:
+    index = affinity_router.BlockIndex(capacity=3, block_size=1)
+    first, second = index.hashes([1, 2]), index.hashes([7, 8])
+    index.record(first)
+    index.record(second)  # four blocks sent into three: the oldest, first's [1], is gone
+    assert index.cached_tokens(second) == 2
+    assert index.cached_tokens(first) == 0
+
+
+def test_a_session_stays_on_its_engine_and_sessions_spread() -> None:
+    urls = ["http://d0", "http://d1", "http://d2"]
+    placed = affinity_router.AffinityRouter.placed
+    assert all(placed(urls, "s1") == placed(urls, "s1") for _ in range(3))
+    assert len({placed(urls, f"s{i}") for i in range(60)}) == 3
+
+
+def test_a_ratio_is_bold_only_where_its_whole_range_is_below_one() -> None:
+    assert aiperf_agentic.ratio([5.0, 6.0], [10.0, 12.0]) == "**0.50 (0.42-0.60)**"
+    # A range that holds 1.00 is a tie, never bold.
+    assert aiperf_agentic.ratio([9.0, 11.0], [10.0]) == "1.00 (0.90-1.10)"
+    assert aiperf_agentic.ratio([], [1.0]) == "-"
+
+
+def test_the_report_compares_kvturn_with_each_baseline_and_the_best_per_metric() -> None:
+    def run(mode: str, ttft: float, itl: float) -> dict[str, object]:
+        return {
+            "mode": mode, "ttft_p50": ttft, "ttft_p90": ttft, "itl_p50": itl, "itl_p99": itl,
+            "latency_p50": 1.0, "latency_p90": 1.0, "job_s": 10.0, "errors": 0.0,
+            "tokens": {"computed": 1.0, "cached": 1.0, "received": 1.0},
+            "reasons": {"pull-reuse/streams-budget": 3.0},
+            "pauses": {"longest_s": 4.0, "total_s": 6.0},
+            "command": "aiperf profile",
+        }  # fmt: skip
+
+    runs = [run("vllm-pd", 200, 10), run("decode-affinity", 100, 30), run("kvturn", 80, 10)]
+    result = {
+        "workload": {"name": "w", "what": "a test", "sessions": 2, "concurrency": 1,
+                     "kv_blocks": 8},
+        "routers": {"vllm-pd": "vllm-router"}, "runs": runs, "answers": None,
+        "dataset_lines": 3,
+    }  # fmt: skip
+    text = aiperf_agentic.report([result], ["--repeats", "1"], "today")
+    best = next(line for line in text.splitlines() if line.startswith("| the best baseline"))
+    # TTFT against decode-affinity's (the lower), ITL against vllm-pd's: a tie there.
+    assert "**0.80 (0.80-0.80)** vs decode-affinity" in best
+    assert "1.00 (1.00-1.00) vs vllm-pd" in best
+    assert "pull-reuse/streams-budget 3" in text
