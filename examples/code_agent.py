@@ -224,10 +224,12 @@ async def run_agent(
     max_tokens: int = 128,
     answer_max_tokens: int = 160,
     api_key: str = "unused",
+    recorder: turn_report.Recorder | None = None,
 ) -> Outcome:
-    """Ask ``questions`` in one session through kvturn; every model call is recorded."""
+    """Ask ``questions`` in one session through kvturn; every model call is recorded (by
+    ``recorder``, a new one if none is given)."""
     set_tracing_disabled(True)  # nothing leaves this machine
-    recorder = turn_report.Recorder()
+    recorder = recorder or turn_report.Recorder()
     client = AsyncOpenAI(
         base_url=base_url, api_key=api_key, max_retries=1, timeout=600,
         http_client=openai.DefaultAsyncHttpxClient(transport=recorder.async_transport()),
@@ -294,6 +296,14 @@ def main() -> int:
     return 0
 
 
+def describe(outcome: Outcome) -> None:
+    """The questions, the answers, and what each tool returned."""
+    for (question, _), answer in zip(QUESTIONS, outcome.answers, strict=False):
+        print(f"Q: {question}\nA: {answer.strip()[:300]}\n")
+    for name, arguments, result in outcome.tools_ran:
+        print(f"tool {name}({arguments}) -> {result.splitlines()[0][:90] if result else ''}")
+
+
 def report(
     outcome: Outcome,
     base_url: str,
@@ -304,10 +314,7 @@ def report(
     """Replay the run's calls (recomputed; and as vLLM P/D with prefix caching, given the
     ``engines``: prefill URL, decode URL), print the table, draw it to ``png``."""
     rows = turn_report.replay(outcome.calls, base_url, compare=compare, engines=engines)
-    for (question, _), answer in zip(QUESTIONS, outcome.answers, strict=False):
-        print(f"Q: {question}\nA: {answer.strip()[:300]}\n")
-    for name, arguments, result in outcome.tools_ran:
-        print(f"tool {name}({arguments}) -> {result.splitlines()[0][:90] if result else ''}")
+    describe(outcome)
     print()
     turn_report.print_table(rows)
     if png is not None:

@@ -31,6 +31,10 @@ import turn_report
 
 from kvturn.client import OpenAI
 
+#: What each instance of the agent is told is failing (``incident``): the demo runs several
+#: at once, each on an incident of its own, so their conversations share only the system
+#: prompt and the tools, as different users' would.
+INCIDENTS = ("checkout", "payments", "search", "auth", "inventory", "gateway")
 SYSTEM = (
     "You are an on-call engineer. Read the incident log with the read_log tool, one section "
     "at a time, then write a short summary of what went wrong and what to do next."
@@ -85,17 +89,22 @@ def run_agent(
     api_key: str = "unused",
     max_tokens: int = 24,
     answer_max_tokens: int = 96,
+    recorder: turn_report.Recorder | None = None,
+    incident: int = 0,
 ) -> Outcome:
     """Run the agent through kvturn (plain openai SDK calls on ``kvturn.client.OpenAI``);
-    every model call is recorded."""
-    recorder = turn_report.Recorder()
+    every model call is recorded (by ``recorder``, a new one if none is given). ``incident``
+    picks the failing service (:data:`INCIDENTS`) and which log sections the tool returns;
+    each run is a conversation of its own (a new id)."""
+    recorder = recorder or turn_report.Recorder()
+    service = INCIDENTS[incident % len(INCIDENTS)]
     client = OpenAI(
         base_url=base_url, api_key=api_key, max_retries=1, timeout=600,
         http_client=openai.DefaultHttpxClient(transport=recorder.transport()),
     )  # fmt: skip
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "The checkout service is failing. What happened?"},
+        {"role": "user", "content": f"The {service} service is failing. What happened?"},
     ]
     answer = ""
     with client.conversation():
@@ -136,10 +145,15 @@ def run_agent(
                 section = turn
             messages.append(
                 {"role": "tool", "tool_call_id": f"call_{turn}",
-                 "content": read_log(section % 97 + turn)}
+                 "content": read_log(section % 97 + turn + 100 * incident)}
             )  # fmt: skip
     client.close()
     return Outcome(recorder.calls, answer)
+
+
+def describe(outcome: Outcome) -> None:
+    """What the agent concluded."""
+    print(f"final answer: {outcome.answer.strip()[:400]}")
 
 
 def report(
@@ -153,7 +167,8 @@ def report(
     ``engines``: prefill URL, decode URL), print the table, draw it to ``png``."""
     rows = turn_report.replay(outcome.calls, base_url, compare=compare, engines=engines)
     turn_report.print_table(rows)
-    print(f"\nfinal answer: {outcome.answer.strip()[:400]}")
+    print()
+    describe(outcome)
     if png is not None:
         print(f"\nwrote {turn_report.plot(rows, png, 'openai SDK log agent: TTFT per model call')}")
     return rows

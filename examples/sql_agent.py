@@ -177,9 +177,11 @@ def run_agent(
     max_tokens: int = 128,
     answer_max_tokens: int = 160,
     api_key: str = "unused",
+    recorder: turn_report.Recorder | None = None,
 ) -> Outcome:
-    """Ask ``questions`` in one LangGraph thread through kvturn; every model call recorded."""
-    recorder = turn_report.Recorder()
+    """Ask ``questions`` in one LangGraph thread through kvturn; every model call recorded
+    (by ``recorder``, a new one if none is given)."""
+    recorder = recorder or turn_report.Recorder()
     client = OpenAI(
         base_url=base_url, api_key=api_key, max_retries=1, timeout=600,
         http_client=openai.DefaultHttpxClient(transport=recorder.transport()),
@@ -210,6 +212,14 @@ def run_agent(
     return Outcome(recorder.calls, answers, tools_ran)
 
 
+def describe(outcome: Outcome) -> None:
+    """The questions, the answers, and what each tool returned."""
+    for (question, _), answer in zip(QUESTIONS, outcome.answers, strict=False):
+        print(f"Q: {question}\nA: {answer.strip()[:300]}\n")
+    for name, result in outcome.tools_ran:
+        print(f"tool {name}: {result.splitlines()[0][:100] if result else ''}")
+
+
 def report(
     outcome: Outcome,
     base_url: str,
@@ -220,10 +230,7 @@ def report(
     """Replay the run's calls (recomputed; and as vLLM P/D with prefix caching, given the
     ``engines``: prefill URL, decode URL), print the table, draw it to ``png``."""
     rows = turn_report.replay(outcome.calls, base_url, compare=compare, engines=engines)
-    for (question, _), answer in zip(QUESTIONS, outcome.answers, strict=False):
-        print(f"Q: {question}\nA: {answer.strip()[:300]}\n")
-    for name, result in outcome.tools_ran:
-        print(f"tool {name}: {result.splitlines()[0][:100] if result else ''}")
+    describe(outcome)
     print()
     turn_report.print_table(rows)
     if png is not None:

@@ -180,7 +180,7 @@ class _SyncTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if not _is_chat_completion(request):
             return self.inner.handle_request(request)
-        call = self.recorder._begin(request)
+        request, call = self.recorder._begin(request)
         response = self.inner.handle_request(request)
         call._answered(response)
         assert isinstance(response.stream, httpx.SyncByteStream)
@@ -202,7 +202,7 @@ class _AsyncTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if not _is_chat_completion(request):
             return await self.inner.handle_async_request(request)
-        call = self.recorder._begin(request)
+        request, call = self.recorder._begin(request)
         response = await self.inner.handle_async_request(request)
         call._answered(response)
         assert isinstance(response.stream, httpx.AsyncByteStream)
@@ -222,10 +222,15 @@ class Recorder:
 
     ``OpenAI(..., http_client=openai.DefaultHttpxClient(transport=recorder.transport()))``
     (``DefaultAsyncHttpxClient`` and :meth:`async_transport` for ``AsyncOpenAI``).
+
+    Given a ``cache_salt``, every chat-completions request goes out with it (whatever the
+    framework sent): the demo gives each of its runs a salt of its own, so that no run finds
+    an earlier run's prompts in an engine's prefix cache.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cache_salt: str | None = None) -> None:
         self.calls: list[Call] = []
+        self.cache_salt = cache_salt
 
     def transport(self) -> httpx.BaseTransport:
         return _SyncTransport(self)
@@ -233,10 +238,21 @@ class Recorder:
     def async_transport(self) -> httpx.AsyncBaseTransport:
         return _AsyncTransport(self)
 
-    def _begin(self, request: httpx.Request) -> Call:
-        call = Call(json.loads(request.content))
+    def _begin(self, request: httpx.Request) -> tuple[httpx.Request, Call]:
+        """The request to send (salted, given a ``cache_salt``) and its record."""
+        body = json.loads(request.content)
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
+            content = json.dumps(body).encode()
+            headers = httpx.Headers(request.headers)
+            headers["content-length"] = str(len(content))
+            request = httpx.Request(
+                request.method, request.url, headers=headers, content=content,
+                extensions=request.extensions,
+            )  # fmt: skip
+        call = Call(body)
         self.calls.append(call)
-        return call
+        return request, call
 
 
 #: What prefill gets in plain P/D (vLLM's NixlConnector protocol; as in kvturn.wire).
@@ -377,6 +393,18 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
+def ratio_text(ours: float | None, theirs: float | None) -> str:
+    """kvturn's time over a baseline's, said plainly: ``0.84 faster``, ``1.21 slower`` (above
+    1.00 kvturn took longer), ``1.00 same``; ``-`` when either is missing."""
+    if not ours or not theirs:
+        return "-"
+    ratio = ours / theirs
+    shown = f"{ratio:.2f}"
+    if shown == "1.00":
+        return "1.00 same"
+    return f"{shown} {'slower' if ratio > 1 else 'faster'}"
+
+
 def print_table(rows: Sequence[Row], labels: Sequence[str] | None = None) -> None:
     """One line per model call: context, plan, reused tokens, TTFT through kvturn, recomputed
     (no prefix cache, nothing kept: P/D with nothing to reuse) and, when replayed, as vLLM P/D
@@ -385,7 +413,7 @@ def print_table(rows: Sequence[Row], labels: Sequence[str] | None = None) -> Non
     print(
         f"{'call':>4}  {'step':<22} {'context':>7} {'plan':>12} {'reused':>6} "
         f"{'TTFT kvturn':>11} {'TTFT recompute':>14}"
-        + (f" {'TTFT vLLM P/D':>13}" if deployed else "")
+        + (f" {'TTFT vLLM P/D':>13} {'kvturn over P/D':>15}" if deployed else "")
         + "  same answer"
     )
     for n, row in enumerate(rows):
@@ -394,11 +422,12 @@ def print_table(rows: Sequence[Row], labels: Sequence[str] | None = None) -> Non
         same = {None: "-", True: "yes", False: "NO"}[row.same_answer]
         context = row.context_tokens
         recomputed = row.recomputed.ttft_s if row.recomputed else None
+        pd = row.deployed.ttft_s if row.deployed else None
         print(
             f"{row.index:>4}  {step[:22]:<22} {context if context is not None else '-':>7} "
             f"{row.kvturn.plan or '?':>12} {row.kvturn.reused_tokens:>6} "
             f"{_ms(row.kvturn.ttft_s):>11} {_ms(recomputed):>14}"
-            + (f" {_ms(row.deployed.ttft_s if row.deployed else None):>13}" if deployed else "")
+            + (f" {_ms(pd):>13} {ratio_text(row.kvturn.ttft_s, pd):>15}" if deployed else "")
             + f"  {same}"
         )
     reused = [r for r in rows[1:] if r.recomputed and r.kvturn.ttft_s and r.recomputed.ttft_s]
@@ -407,18 +436,22 @@ def print_table(rows: Sequence[Row], labels: Sequence[str] | None = None) -> Non
         theirs = sum(r.recomputed.ttft_s or 0 for r in reused if r.recomputed)
         print(
             f"\ncalls 2..{len(rows)}: TTFT {ours * 1000:.0f} ms with kvturn vs "
-            f"{theirs * 1000:.0f} ms recomputed (x{theirs / ours:.2f})"
+            f"{theirs * 1000:.0f} ms recomputed (kvturn over recomputed: "
+            f"{ratio_text(ours, theirs)})"
         )
-        pd = [r.deployed.ttft_s for r in reused if r.deployed and r.deployed.ttft_s]
-        if len(pd) == len(reused):
-            total = sum(pd)
+        pds = [r.deployed.ttft_s for r in reused if r.deployed and r.deployed.ttft_s]
+        if len(pds) == len(reused):
+            total = sum(pds)
             print(
                 f"calls 2..{len(rows)}: TTFT {ours * 1000:.0f} ms with kvturn vs "
-                f"{total * 1000:.0f} ms as vLLM P/D with prefix caching (x{total / ours:.2f})"
+                f"{total * 1000:.0f} ms as vLLM P/D with prefix caching (kvturn over vLLM P/D: "
+                f"{ratio_text(ours, total)})"
             )
         print(
             "recompute: the call alone, no cache (a fresh cache_salt); vLLM P/D: the run's "
-            "calls in order, prefill then decode, prefill's prefix cache on (vLLM's default)"
+            "calls in order, prefill then decode, prefill's prefix cache on (vLLM's default); "
+            "a ratio above 1.00 means kvturn was slower. One run, after kvturn's: for a fair "
+            "comparison (warm engines, alternating order) run examples/demo.py"
         )
 
 

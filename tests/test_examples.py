@@ -18,16 +18,21 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
+import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import LocalPair
+from tests.engine_requests import chat, metric_total
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import code_agent  # noqa: E402
+import demo_compare  # noqa: E402
 import log_agent  # noqa: E402
 import sql_agent  # noqa: E402
 import turn_report  # noqa: E402
@@ -86,6 +91,94 @@ def test_openai_sdk_log_agent(local_pair: LocalPair) -> None:
         ((name, arguments),) = call.answer.tool_calls
         assert name == "read_log" and json.loads(arguments)["section"] in range(1, 13)
     assert outcome.calls[3].answer is not None and not outcome.calls[3].answer.tool_calls
+
+
+def _prefill_cache(url: str) -> tuple[float, float]:
+    """Prefill's prefix-cache counters (vLLM's own): prompt tokens looked up, tokens hit."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return (
+        metric_total(text, "vllm:prefix_cache_queries_total"),
+        metric_total(text, "vllm:prefix_cache_hits_total"),
+    )
+
+
+def _prefill_cache_after(url: str, queries_before: float) -> tuple[float, float]:
+    """The counters once they count a request sent after ``queries_before`` was read (vLLM
+    updates them as each step's stats come in), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        queries, hits = _prefill_cache(url)
+        if queries > queries_before or time.monotonic() > deadline:
+            return queries, hits
+        time.sleep(0.1)
+
+
+def test_the_demo_comparison_is_warm_alternating_concurrent_and_salted(
+    local_pair: LocalPair,
+) -> None:
+    """``make demo``'s comparison (examples/demo_compare.py), small: 2 log agents at once,
+    3 calls each; the warm-up, then kvturn first, then vLLM P/D first; recomputed last."""
+    engines = (local_pair.prefill_url, local_pair.decode_url)
+
+    def agent(i: int, recorder: turn_report.Recorder) -> log_agent.Outcome:
+        return log_agent.run_agent(
+            local_pair.gateway_url, local_pair.model, turns=3, max_tokens=TOOL_MAX_TOKENS,
+            answer_max_tokens=ANSWER_MAX_TOKENS, recorder=recorder, incident=i,
+        )  # fmt: skip
+
+    comparison = demo_compare.measure(
+        agent,
+        demo_compare.pd_sender(engines),
+        demo_compare.recompute_sender(local_pair.gateway_url),
+        agents=2,
+        rounds=2,
+    )
+    kvturn, pd = demo_compare.KVTURN, demo_compare.PD
+    runs = comparison.warmup + comparison.runs
+    assert [(r.mode, r.round, r.position) for r in runs] == [
+        (kvturn, 0, 1), (pd, 0, 2), (kvturn, 1, 1), (pd, 1, 2), (pd, 2, 1), (kvturn, 2, 2),
+    ]  # fmt: skip
+    assert len({r.salt for r in runs}) == len(runs)
+    for run in runs:
+        assert len(run.agents) == 2
+        for calls in run.agents:
+            assert len(calls) == 3, (run.mode, run.round)
+            for call in calls:
+                assert call.status == 200 and call.answer is not None and call.ttft_s, call.raw
+                assert call.body["cache_salt"] == run.salt  # every call under its run's salt
+            plans = [(c.plan, c.plan_reason) for c in calls]
+            if run.mode == kvturn:
+                # Each agent its own conversation: a first turn, then turns that reuse.
+                assert plans[0][0] == "recompute" and calls[0].reused_tokens == 0, plans
+                assert all(p not in (None, "recompute") for p, _ in plans[1:]), plans
+            else:
+                assert all(p is None for p, _ in plans)  # plain P/D: no gateway on the way
+    # The two agents' conversations differ (an incident each).
+    first = comparison.first_kvturn
+    assert first.agents[0][0].body["messages"] != first.agents[1][0].body["messages"]
+    # vLLM P/D replayed the calls kvturn made, and answered each as kvturn did; so did the
+    # same calls recomputed.
+    assert demo_compare.prompts_matched(comparison) == (12, 12)
+    assert comparison.recomputed is not None
+    for run in [*comparison.of(pd), comparison.recomputed]:
+        assert demo_compare.replies_matched(run) == (6, 6), run.mode
+    assert all(c.plan == "recompute" for calls in comparison.recomputed.agents for c in calls)
+    assert len(demo_compare.median_rows(comparison)) == 3
+    # Engine-side: the gateway took the run's salt to prefill. The last kvturn run's first
+    # prompt, sent to prefill again under that salt, is found in its prefix cache; under a
+    # fresh salt, none of it is (so no run found another run's prompts).
+    last = comparison.of(kvturn)[-1]
+    dropped = ("stream_options", "max_completion_tokens", "cache_salt")
+    probe = {k: v for k, v in last.agents[0][0].body.items() if k not in dropped}
+    probe.update(stream=False, max_tokens=1)
+    prefill = local_pair.prefill_url
+    queries, hits = _prefill_cache(prefill)
+    chat(prefill, {**probe, "cache_salt": f"probe-{uuid.uuid4().hex}"})
+    queries_fresh, hits_fresh = _prefill_cache_after(prefill, queries)
+    assert queries_fresh > queries and hits_fresh == hits
+    chat(prefill, {**probe, "cache_salt": last.salt})
+    _, hits_salted = _prefill_cache_after(prefill, queries_fresh)
+    assert hits_salted - hits_fresh >= 128  # at least one of vLLM-CPU's 128-token blocks
 
 
 def test_agents_sdk_code_agent(local_pair: LocalPair) -> None:
