@@ -1,23 +1,45 @@
 """A fast stand-in for a vLLM engine speaking the P/D protocol: for narrow gateway tests and
-the gateway-overhead benchmark only. It never proves reuse works (the engine tests do that).
+the gateway-overhead benchmark only. It never proves reuse works on a real engine (the engine
+tests do that); it only never claims reuse it does not hold.
 
 One raw ASGI app plays both roles: with ``do_remote_decode`` in the request it answers like a
 prefill (``kv_transfer_params`` for decode); otherwise like a decode (a short reply, streamed or
 not) and publishes "retained KV" on ``/kvturn/retained/{id}`` like the kvturn connector (a
 non-streamed reply of a conversation's turn carries the same as its ``kv_transfer_params``, as
 vLLM hands back what the connector's ``request_finished`` returns).
-``/metrics`` answers like one vLLM engine (vllm-router reads it at start-up to count DP ranks);
-``/fake/counts`` says how many prefill and decode requests it served (to check a router's
-P/D routing), and how many slow streams (``fake_slow_stream``: one chunk per 20 ms) their
-reader abandoned; any other GET is a 404. ``in_flight`` and ``peak_in_flight`` count the
-``/v1`` POSTs (engine requests) being served at once, now and at most (a test resets the
-peak).
+``/metrics`` answers like one vLLM engine (vllm-router reads it at start-up to count DP ranks),
+with its prefix cache's counters; ``/fake/counts`` says how many prefill and decode requests it
+served (to check a router's P/D routing), and how many slow streams (``fake_slow_stream``: one
+chunk per 20 ms) their reader abandoned; any other GET is a 404. ``in_flight`` and
+``peak_in_flight`` count the ``/v1`` POSTs (engine requests) being served at once, now and at
+most (a test resets the peak).
 
-``/tokenize`` answers only for chats whose first message starts with ``local:`` (so the
-gateway's planner can choose ``decode-local``; every other chat plans a pull, as before): the
-prompt is :data:`_PROMPT_TOKENS` tokens whose first ones are what a decode publishes it holds
-(and 5000 tokens more for a chat whose first message starts with ``local-long:``: a prompt
-longer than its messages' bytes bound, as no real template renders).
+**Tokens, as an engine has them.** Every prompt is tokenized as a real engine would, in shape:
+a chat is rendered by a ChatML template (the one ``kvturn``'s own models use:
+``<|im_start|>role\\ncontent<|im_end|>\\n``, tools in a system block, tool calls in
+``<tool_call>``, the generation prompt), and text becomes one token per UTF-8 byte (ids 0-255;
+the template's markers are :data:`SPECIAL_TOKENS`, 256 on, as the tiny model's byte-level
+tokenizer numbers them). ``/tokenize`` answers for every chat and completion prompt. The one
+template option it knows besides vLLM's own fields: ``chat_template_kwargs={"pad_messages": N}``
+pads every message with N spaces (a template that renders a message to more tokens than its
+bytes, which the gateway's bound on a turn's new tokens does not expect of a real one).
+
+**Its prefix cache, and what it says it reused.** Each port is two engines, a decode and a
+prefill, each with a prefix cache of whole :data:`BLOCK_SIZE`-token blocks keyed by the chain of
+their token ids and the request's ``cache_salt`` (as vLLM hashes blocks). A decode request looks
+its prompt up (whole blocks, never the prompt's last token, as vLLM computes that one always),
+says what it found as ``usage.prompt_tokens_details.cached_tokens`` and on ``/metrics``
+(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``), then caches the blocks
+of what it computed (its prompt and reply). It retains that (prompt and reply, less the reply's
+last token, whose KV is never computed) for a conversation's next turn and publishes it with
+the chained digests of those exact token ids. A prefill that is handed such a lease to pull
+reads only the common prefix of the tokens the holder still holds (a lease is read once, and
+gone once released) and its prompt, as far as the digests verify it, never its last token: its
+``cached_tokens`` are what it read, plus its own prefix cache's hits where
+:data:`PREFILL_PREFIX_CACHING` is on (off by default, as ``kvturn up`` starts prefill engines).
+:func:`clear_prefix_cache` empties a port's caches (an engine that recomputes everything).
+Nothing here depends on what a prompt says.
+
 A decode request on a port in :data:`FAIL_DECODE_PORTS` gets a 500; a lease route on a port in
 :data:`SILENT_CONTROL_PORTS` answers only after :data:`SILENT_S` (a control server that went
 quiet while its engine still answers health checks). ``decode:<port>`` in the counts: the decode
@@ -36,16 +58,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from collections import OrderedDict
 from typing import Any
 from urllib.parse import parse_qs
 
-from kvturn.wire import PREFILL_CACHED_KEY, PREFIX_DIGESTS_KEY, PROMPT_TOKENS_KEY, prefix_digests
+from kvturn.wire import (
+    DIGEST_CHUNK_TOKENS,
+    PREFILL_CACHED_KEY,
+    PREFIX_DIGESTS_KEY,
+    PROMPT_TOKENS_KEY,
+    common_prefix_tokens,
+    prefix_digests,
+)
 
 Scope = dict[str, Any]
 
 _RETAINED: dict[str, dict[str, Any]] = {}
 _THROTTLED: set[str] = set()
-_CONVERSATIONS: set[str] = set()
 COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0, "in_flight": 0, "peak_in_flight": 0}
 #: When set, /v1 POSTs need ``Authorization: Bearer <this>`` (as vLLM's ``--api-key``).
 REQUIRED_KEY: str | None = None
@@ -56,7 +86,6 @@ LAST_HEADERS: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
 #: The lease the gateway last asked for: with a decode request (``retain``) and a renewal.
 LAST_LEASE_ASKED: dict[str, float | None] = {"retain": None, "renew": None}
 _RECORDED_HEADERS = (b"x-request-id", b"traceparent", b"tracestate")
-_PROMPT_TOKENS = 1000
 #: Ports whose decode requests fail with a 500 (a decode that broke).
 FAIL_DECODE_PORTS: set[int] = set()
 #: Ports whose streamed decode replies are a role, then an error event (vLLM's answer when
@@ -69,19 +98,217 @@ SILENT_S = 4.0
 FAIL_PREFILL_PORTS: set[int] = set()
 #: Ports whose prefills answer 200 but whose writes never reach decode.
 LOSE_WRITE_PORTS: set[int] = set()
-#: Prompt tokens prefill says its own prefix cache served (the connector's
-#: ``kvturn_prefill_cached_tokens``); None: it says nothing, as an older engine.
-PREFILL_OWN_CACHED: int | None = None
+#: Whether prefill engines keep a prefix cache of their own (``kvturn up`` starts them without).
+PREFILL_PREFIX_CACHING = False
+#: Whether prefill says which of its cached tokens its own prefix cache served (the connector's
+#: ``kvturn_prefill_cached_tokens``); off: it says nothing, as an older engine.
+PREFILL_REPORTS_OWN_CACHED = False
 #: Push mode: X-Request-Id -> whether its prefill's KV was written to decode.
 _PUSHED: dict[str, bool] = {}
 #: Push mode: X-Request-Id -> "awaiting" or "arrived", as a push decode says.
 _PUSH_STATE: dict[str, str] = {}
-#: What every fake decode says it holds: the prompt's tokens and one more.
-_HELD_DIGESTS = prefix_digests([*range(_PROMPT_TOKENS), 0])
-_METRICS = "".join(
+_GAUGES = "".join(
     f'# TYPE vllm:{name} gauge\nvllm:{name}{{engine="0",model_name="fake"}} 0.0\n'
     for name in ("num_requests_running", "num_requests_waiting")
 )
+
+# ---- tokens -------------------------------------------------------------------------------------
+
+#: The chat template's markers, in id order after the 256 byte tokens (as the tiny model's).
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+_SPECIAL_IDS = {text: 256 + i for i, text in enumerate(SPECIAL_TOKENS)}
+_TOOLS_PREAMBLE = (
+    'You can call these tools. To call one, answer <tool_call>{"name": NAME, "arguments": '
+    "ARGS}</tool_call>.\n<tools>\n"
+)
+#: What every decode answers: its text, and its token ids.
+REPLY_TEXT = "ok"
+
+
+_MARKERS = re.compile("(" + "|".join(re.escape(m) for m in SPECIAL_TOKENS) + ")")
+
+
+def token_ids(text: str) -> list[int]:
+    """``text`` as the fake's tokenizer has it: a marker is one token, every other UTF-8 byte
+    one token."""
+    ids: list[int] = []
+    for i, piece in enumerate(_MARKERS.split(text)):
+        if i % 2:
+            ids.append(_SPECIAL_IDS[piece])
+        else:
+            ids.extend(piece.encode())
+    return ids
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text") or "")
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return ""
+
+
+def render_chat(request: dict[str, Any]) -> str:
+    """A chat request's prompt text, by the ChatML template with tools (the shape of
+    ``kvturn/gateway/ops/launch/templates/chatml_tools.jinja``)."""
+    messages = request.get("messages")
+    messages = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    tools = request.get("tools") if isinstance(request.get("tools"), list) else []
+    kwargs = request.get("chat_template_kwargs")
+    pad = kwargs.get("pad_messages") if isinstance(kwargs, dict) else None
+    padding = " " * pad if type(pad) is int and pad > 0 else ""
+    parts: list[str] = []
+    skip_first = bool(tools) and bool(messages) and messages[0].get("role") == "system"
+    if tools:
+        parts.append("<|im_start|>system\n")
+        if skip_first:
+            parts.append(_content_text(messages[0].get("content")) + "\n\n")
+        parts.append(_TOOLS_PREAMBLE)
+        for tool in tools:
+            described = tool.get("function", tool) if isinstance(tool, dict) else tool
+            parts.append(json.dumps(described) + "\n")
+        parts.append("</tools><|im_end|>\n")
+    continue_final = bool(request.get("continue_final_message"))
+    for i, message in enumerate(messages):
+        if skip_first and i == 0:
+            continue
+        parts.append(f"<|im_start|>{message.get('role')}\n{padding}")
+        parts.append(_content_text(message.get("content")))
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                continue
+            arguments = function.get("arguments")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            parts.append(
+                f'<tool_call>{{"name": "{function.get("name")}", "arguments": {arguments}}}'
+                "</tool_call>"
+            )
+        if not (continue_final and i == len(messages) - 1):
+            parts.append("<|im_end|>\n")
+    if request.get("add_generation_prompt", True) and not continue_final:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def prompt_ids(request: dict[str, Any]) -> list[int]:
+    """The token ids of a chat request's or a completion request's prompt."""
+    if "messages" in request:
+        return token_ids(render_chat(request))
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list):  # several prompts: the first (the gateway sends one each)
+        prompt = prompt[0] if prompt else ""
+    return token_ids(str(prompt or ""))
+
+
+# ---- the prefix caches --------------------------------------------------------------------------
+
+#: Tokens in one KV block: a prefix cache serves whole blocks only.
+BLOCK_SIZE = 16
+#: Blocks one engine's prefix cache keeps (least recently used beyond that are evicted).
+CACHE_BLOCKS = 200_000
+
+
+class PrefixCache:
+    """One engine's prefix cache: whole blocks, each keyed by the chain of every token id up
+    to its end and the request's cache salt (no two salts share a block)."""
+
+    def __init__(self) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of them, served from the cache
+
+    @staticmethod
+    def _keys(ids: list[int], salt: str | None) -> list[int]:
+        keys, previous = [], hash(("salt", salt))
+        for start in range(0, len(ids) - len(ids) % BLOCK_SIZE, BLOCK_SIZE):
+            previous = hash((previous, tuple(ids[start : start + BLOCK_SIZE])))
+            keys.append(previous)
+        return keys
+
+    def lookup(self, prompt: list[int], salt: str | None) -> int:
+        """The prompt's leading tokens this cache holds, in whole blocks, never its last
+        token (the engine computes that one always); counted on the metrics."""
+        found = 0
+        for key in self._keys(prompt, salt)[: max(0, len(prompt) - 1) // BLOCK_SIZE]:
+            if key not in self.blocks:
+                break
+            self.blocks.move_to_end(key)
+            found += BLOCK_SIZE
+        self.queries += len(prompt)
+        self.hits += found
+        return found
+
+    def store(self, ids: list[int], salt: str | None) -> None:
+        """Cache the whole blocks of ``ids`` (tokens whose KV was computed or read)."""
+        for key in self._keys(ids, salt):
+            self.blocks[key] = None
+            self.blocks.move_to_end(key)
+        while len(self.blocks) > CACHE_BLOCKS:
+            self.blocks.popitem(last=False)
+
+
+#: (port, "prefill" or "decode") -> that engine's prefix cache.
+_CACHES: dict[tuple[int, str], PrefixCache] = {}
+#: X-Request-Id of a decode turn -> the token ids its retained blocks hold (until a prefill
+#: reads them or the lease is released).
+_HELD: dict[str, list[int]] = {}
+
+
+def prefix_cache(port: int, role: str) -> PrefixCache:
+    cache = _CACHES.get((port, role))
+    if cache is None:
+        cache = _CACHES[(port, role)] = PrefixCache()
+    return cache
+
+
+def clear_prefix_cache(port: int | None = None) -> None:
+    """Empty the prefix caches of ``port``'s engines (every port's if None): what they held
+    must be computed again. Retained leases are not touched."""
+    for (where, _), cache in _CACHES.items():
+        if port is None or where == port:
+            cache.blocks.clear()
+
+
+def _metrics(port: int) -> bytes:
+    queries = hits = 0
+    for (where, _), cache in _CACHES.items():
+        if where == port:
+            queries, hits = queries + cache.queries, hits + cache.hits
+    counters = "".join(
+        f'# TYPE vllm:{name} counter\nvllm:{name}_total{{engine="0",model_name="fake"}} '
+        f"{float(value)}\n"
+        for name, value in (("prefix_cache_queries", queries), ("prefix_cache_hits", hits))
+    )
+    return (_GAUGES + counters).encode()
+
+
+def _pulled(params: dict[str, Any], prompt: list[int]) -> int:
+    """What a prefill reads of a lease it was handed: the tokens the holder still holds that
+    its prompt starts with, as far as the lease's digests verify them (as kvturn's connector
+    trims a pull), never the prompt's last token. The lease is read once."""
+    if params.get("remote_block_ids") is None:
+        return 0
+    key = str(params.get("remote_request_id"))
+    held = _HELD.get(key)
+    digests = params.get(PREFIX_DIGESTS_KEY)
+    if held is None or not isinstance(digests, list):
+        return 0  # gone, or no proof of what it holds: nothing is read
+    verified = common_prefix_tokens(digests, prompt, DIGEST_CHUNK_TOKENS)
+    really = common_prefix_tokens(prefix_digests(held), prompt, DIGEST_CHUNK_TOKENS)
+    limit = int(params.get("remote_num_tokens") or 0)
+    read = max(0, min(verified, really, limit, len(held), len(prompt) - 1))
+    if read:
+        del _HELD[key]  # read: the holder frees the blocks
+    return read
 
 
 async def _read(receive: Any) -> bytes:
@@ -104,14 +331,21 @@ async def _send_json(
     await send({"type": "http.response.body", "body": data})
 
 
-def _completion(request_id: str, stream_chunk: bool = False) -> dict[str, Any]:
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _completion(request_id: str, usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": 0, "model": "fake",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": REPLY_TEXT},
                      "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": _PROMPT_TOKENS, "completion_tokens": 2,
-                  "total_tokens": _PROMPT_TOKENS + 2,
-                  "prompt_tokens_details": {"cached_tokens": 0}},
+        "usage": usage,
     }  # fmt: skip
 
 
@@ -150,7 +384,7 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         await _send_json(send, 200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
         return
     if path == "/metrics":  # Prometheus text, one engine (rank 0), as vLLM serves it
-        data = _METRICS.encode()
+        data = _metrics(scope["server"][1])
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain; version=0.0.4"),
                                 (b"content-length", str(len(data)).encode())]})  # fmt: skip
@@ -195,17 +429,13 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         return
     if path == "/tokenize":
         request = json.loads(await _read(receive))
-        first = (request.get("messages") or [{}])[0].get("content") or ""
-        if not str(first).startswith(("local:", "local-long:")):
-            await _send_json(send, 404, {"error": "not found"})
-            return
         COUNTS["tokenize"] = COUNTS.get("tokenize", 0) + 1
         where = f"tokenize:{scope['server'][1]}"  # which engine (port) was asked
         COUNTS[where] = COUNTS.get(where, 0) + 1
-        tokens = list(range(_PROMPT_TOKENS))
-        if str(first).startswith("local-long:"):
-            tokens += [0] * 5000
-        await _send_json(send, 200, {"count": len(tokens), "tokens": tokens})
+        tokens = prompt_ids(request)
+        await _send_json(
+            send, 200, {"count": len(tokens), "max_model_len": 32768, "tokens": tokens}
+        )
         return
     authorization = dict(scope["headers"]).get(b"authorization")
     if REQUIRED_KEY is not None and authorization != f"Bearer {REQUIRED_KEY}".encode():
@@ -225,6 +455,9 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
             return
     params = body.get("kv_transfer_params") or {}
     request_id = dict(scope["headers"]).get(b"x-request-id", b"none").decode()
+    port = scope["server"][1]
+    salt = body.get("cache_salt")
+    prompt = prompt_ids(body)
     if params.get("do_remote_decode") and scope["server"][1] in FAIL_PREFILL_PORTS:
         _PUSHED[request_id] = False
         await _send_json(send, 500, {"error": {"message": "prefill broke", "type": "x"}})
@@ -236,18 +469,23 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         COUNTS[where] = COUNTS.get(where, 0) + 1
         LAST_CACHE_SALT["prefill"] = body.get("cache_salt")
         LAST_HEADERS["prefill"] = _recorded(scope)
-        reused = 0 if params.get("remote_block_ids") is None else _PROMPT_TOKENS - 8
-        answer = _completion("prefill")
-        answer["usage"]["prompt_tokens_details"]["cached_tokens"] = reused
+        own = 0
+        if PREFILL_PREFIX_CACHING:
+            own = prefix_cache(port, "prefill").lookup(prompt, salt)
+        # vLLM pulls only what its own cache lacks.
+        pulled = max(0, _pulled(params, prompt) - own)
+        if pulled:
+            COUNTS["pulled_tokens"] = COUNTS.get("pulled_tokens", 0) + pulled
+        if PREFILL_PREFIX_CACHING:
+            prefix_cache(port, "prefill").store(prompt, salt)
+        answer = _completion("prefill", _usage(len(prompt), 1, own + pulled))
         answer["kv_transfer_params"] = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
             "remote_engine_id": "fake-p", "remote_request_id": "p", "remote_host": "localhost",
-            "remote_port": 1, "remote_num_tokens": _PROMPT_TOKENS, "tp_size": 1,
+            "remote_port": 1, "remote_num_tokens": len(prompt), "tp_size": 1,
         }  # fmt: skip
-        if PREFILL_OWN_CACHED is not None:  # as kvturn's connector reports them
-            cached = max(reused, PREFILL_OWN_CACHED)
-            answer["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
-            answer["kv_transfer_params"][PREFILL_CACHED_KEY] = PREFILL_OWN_CACHED
+        if PREFILL_REPORTS_OWN_CACHED:  # as kvturn's connector reports them
+            answer["kv_transfer_params"][PREFILL_CACHED_KEY] = own
         await _send_json(send, 200, answer)
         return
     if scope["server"][1] in FAIL_DECODE_PORTS:
@@ -277,34 +515,38 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
                 return
         _PUSH_STATE[request_id] = "arrived"
     COUNTS["decode"] += 1
-    port_key = f"decode:{scope['server'][1]}"
+    port_key = f"decode:{port}"
     COUNTS[port_key] = COUNTS.get(port_key, 0) + 1
     conversation = params.get("kvturn_conversation")
-    # Its "prefix cache": a conversation it served before (a decode-local turn) is cached.
-    cached = _PROMPT_TOKENS - 8 if conversation in _CONVERSATIONS else 0
-    if conversation is not None:
-        _CONVERSATIONS.add(conversation)
-        if len(_CONVERSATIONS) > 10_000:
-            _CONVERSATIONS.clear()
     if not params.get("do_remote_prefill"):
         COUNTS["decode_local"] = COUNTS.get("decode_local", 0) + 1
-    LAST_CACHE_SALT["decode"] = body.get("cache_salt")
+    tool = (body.get("tool_choice") or {}) if isinstance(body.get("tool_choice"), dict) else {}
+    called = (tool.get("function") or {}).get("name")
+    reply = token_ids(_reply_text(called))
+    # Its prefix cache serves what it holds of the prompt (in P/D, it reads only the rest);
+    # then it holds the blocks of what it computed: the prompt, and the reply but its last
+    # token (whose KV is never computed).
+    cache = prefix_cache(port, "decode")
+    cached = cache.lookup(prompt, salt)
+    held = prompt + reply[:-1]
+    cache.store(held, salt)
+    usage = _usage(len(prompt), len(reply), cached)
+    LAST_CACHE_SALT["decode"] = salt
     LAST_HEADERS["decode"] = _recorded(scope)
     LAST_LEASE_ASKED["retain"] = params.get("kvturn_lease_s")
     _RETAINED[request_id] = {
         "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "fake-d",
         "remote_request_id": request_id, "remote_host": "localhost", "remote_port": 2,
-        "remote_num_tokens": _PROMPT_TOKENS + 1, "expires_in_s": 300.0,
-        PREFIX_DIGESTS_KEY: _HELD_DIGESTS, PROMPT_TOKENS_KEY: _PROMPT_TOKENS,
+        "remote_num_tokens": len(held), "expires_in_s": 300.0,
+        PREFIX_DIGESTS_KEY: prefix_digests(held), PROMPT_TOKENS_KEY: len(prompt),
     }  # fmt: skip
+    _HELD[request_id] = held
     if len(_RETAINED) > 10_000:
         _RETAINED.pop(next(iter(_RETAINED)))
-    tool = (body.get("tool_choice") or {}) if isinstance(body.get("tool_choice"), dict) else {}
-    called = (tool.get("function") or {}).get("name")
+    while len(_HELD) > 10_000:
+        _HELD.pop(next(iter(_HELD)))
     if not body.get("stream"):
-        answer = _completion(request_id)
-        if not params.get("do_remote_prefill"):
-            answer["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
+        answer = _completion(request_id, usage)
         if conversation:  # as the connector's request_finished hands them to vLLM's reply
             answer["kv_transfer_params"] = _RETAINED[request_id]
         if called:  # a named tool choice: the model calls it
@@ -334,9 +576,9 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                     "more_body": True})  # fmt: skip
     if (body.get("stream_options") or {}).get("include_usage"):
-        usage = {"id": request_id, "object": "chat.completion.chunk", "created": 0, "model": "fake",
-                 "choices": [], "usage": _completion(request_id)["usage"]}  # fmt: skip
-        await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\n".encode(),
+        last = {"id": request_id, "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                "choices": [], "usage": usage}  # fmt: skip
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(last)}\n\n".encode(),
                     "more_body": True})  # fmt: skip
     if body.get("fake_end_delay_ms"):
         # ``[DONE]`` first, the end of the body a moment later (in another read): a client
@@ -346,6 +588,14 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _reply_text(called: str | None) -> str:
+    """What a decode generates: the reply, or the named tool's call as the template renders it."""
+    if called is None:
+        return REPLY_TEXT
+    arguments = _tool_call(called)["function"]["arguments"]
+    return f'<tool_call>{{"name": "{called}", "arguments": {arguments}}}</tool_call>'
 
 
 def _recorded(scope: Scope) -> dict[str, str]:
@@ -378,13 +628,14 @@ async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None
     if len(parts) == 2:
         stats: dict[str, Any] = {"leases": len(_RETAINED), "blocks_held": 0, "ended": {}}
         if MAX_LEASE_S:  # what a connector says of its engine (see LeaseTable.stats)
-            stats.update(kvturn_block_size=128, kvturn_kv_bytes_per_token=4096,
+            stats.update(kvturn_block_size=BLOCK_SIZE, kvturn_kv_bytes_per_token=4096,
                          kvturn_max_lease_s=MAX_LEASE_S)  # fmt: skip
         await _send_json(send, 200, stats)
         return
     key = parts[2]
     if method == "DELETE":
         released = _RETAINED.pop(key, None) is not None
+        _HELD.pop(key, None)  # its blocks are freed
         COUNTS["releases"] = COUNTS.get("releases", 0) + released
         if b"claimed=1" in scope.get("query_string", b""):  # the gateway's own claim ends
             COUNTS["claims_ended"] = COUNTS.get("claims_ended", 0) + 1

@@ -40,6 +40,7 @@ def _config(fake_url: str, **settings: Any) -> GatewayConfig:
         prefill=endpoints([fake_url]),
         decode=endpoints([fake_url], [fake_url]),
         api_keys=ApiKeys([(KEY, "alpha")]),
+        decode_local=False,  # the same messages again reuse by a pull
         **settings,
     )
 
@@ -51,7 +52,16 @@ def gateway(fake_url: str) -> Iterator[GatewayThread]:
 
 
 def _chat(url: str, stream: bool = False) -> httpx.Response:
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    body = {
+        "model": "fake",
+        "messages": [
+            {
+                "role": "user",
+                "content": "Read the repository and list the modules that import the wire.",
+            }
+        ],
+        "stream": stream,
+    }
     headers = {**AUTH, "X-Conversation-Id": CONVERSATION}
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
 

@@ -25,7 +25,10 @@ from kvturn.gateway.state.table_redis import RedisConversations
 from tests.conversation_ids import ID_FORMS, WAYS, named
 from tests.gateway_fixtures import metric, running_fake_engine, running_gateway, running_redis
 
-MESSAGES = [{"role": "user", "content": "hi"}]
+#: Long enough that a turn's KV is worth reusing (the fake engine counts a token a byte).
+MESSAGES = [
+    {"role": "user", "content": "Read the repository and list the modules that import the wire."}
+]
 FORMS = list(ID_FORMS.values())
 
 # -- the rule -------------------------------------------------------------------------------
@@ -116,7 +119,10 @@ def fake_url() -> Iterator[str]:
 
 @pytest.fixture
 def gateway(fake_url: str) -> Iterator[str]:
-    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    # The same messages again reuse by a pull (the holder would continue them otherwise).
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]), decode_local=False
+    )
     with running_gateway(config) as running:
         yield running.url
 
@@ -228,6 +234,7 @@ def short_lease(fake_url: str) -> Iterator[GatewayThread]:
         decode=endpoints([fake_url], [fake_url]),
         lease_s=LEASE_S,
         expiry_margin_s=0.05,
+        decode_local=False,  # the same messages again reuse by a pull
     )
     with running_gateway(config) as running:
         yield running

@@ -30,8 +30,23 @@ def gateway(fake_url: str) -> Iterator[str]:
         yield running.url
 
 
-def _chat(url: str, stream: bool = False, delay_ms: int = 0, **headers: str) -> httpx.Response:
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+#: A request whose turn leaves KV worth reusing: the fake engine counts a token a byte, and
+#: this renders to more than the gateway's ``reuse_threshold_tokens`` (64).
+ASK = {"role": "user", "content": "Read the repository and list the modules that import the wire."}
+#: What a next turn adds that is too long for the holder to prefill itself (more than
+#: ``max_local_suffix_tokens``, 2048): the turn pulls the history into prefill.
+LONG_TAIL = [
+    {"role": "assistant", "content": "ok"},
+    {"role": "user", "content": "Here is the file, read it all. " + "0123456789" * 210},
+]
+
+
+def _chat(
+    url: str, stream: bool = False, delay_ms: int = 0, tail: bool = False, **headers: str
+) -> httpx.Response:
+    """A turn of :data:`ASK`; ``tail``: with :data:`LONG_TAIL` after it (a turn that pulls)."""
+    messages = [ASK, *LONG_TAIL] if tail else [ASK]
+    body = {"model": "fake", "messages": messages, "stream": stream}
     if delay_ms:
         body["fake_delay_ms"] = delay_ms
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers)
@@ -43,8 +58,9 @@ def test_conversation_turns_reuse_and_say_so(gateway: str) -> None:
     assert first.headers["x-kvturn-plan"] == "recompute"
     assert first.headers["x-kvturn-lease-seconds"] == "60"
     assert first.json().get("kv_transfer_params") is None  # engine-internal, as vLLM shows it
-    second = _chat(gateway, stream=True, **{"X-Conversation-Id": "c1"})
+    second = _chat(gateway, stream=True, tail=True, **{"X-Conversation-Id": "c1"})
     assert second.headers["x-kvturn-plan"] == "pull-reuse"
+    assert second.headers["x-kvturn-plan-reason"] == "suffix-too-long"
     assert int(second.headers["x-kvturn-reused-tokens"]) > 0
     assert second.text.endswith("data: [DONE]\n\n")
     metrics = httpx.get(gateway + "/metrics").text
@@ -122,12 +138,8 @@ def test_a_heartbeat_lease_longer_than_the_lease_is_the_lease() -> None:
 
 def test_conversation_id_from_body_or_prompt_cache_key(gateway: str) -> None:
     for field in ("conversation_id", "prompt_cache_key"):
-        body = {
-            "model": "fake",
-            "messages": [{"role": "user", "content": "hi"}],
-            field: f"k-{field}",
-        }
-        for _ in range(2):
+        for messages in ([ASK], [ASK, *LONG_TAIL]):
+            body = {"model": "fake", "messages": messages, field: f"k-{field}"}
             response = httpx.post(gateway + "/v1/chat/completions", json=body)
         assert response.headers["x-kvturn-plan"] == "pull-reuse", field
         assert response.headers["x-conversation-id"] == f"k-{field}"
@@ -194,7 +206,7 @@ def test_parallel_turns_never_share_retained_kv(gateway: str) -> None:
 
     def turn(_: int) -> str:
         # Each engine call takes 300 ms, so both turns are in flight together.
-        response = _chat(gateway, delay_ms=300, **{"X-Conversation-Id": "par"})
+        response = _chat(gateway, delay_ms=300, tail=True, **{"X-Conversation-Id": "par"})
         return response.headers["x-kvturn-plan"]
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -262,10 +274,11 @@ def test_a_reader_that_leaves_once_it_has_done_keeps_the_conversations_kv(gatewa
     # The reader has the whole reply at ``[DONE]`` and may close its connection before the
     # engine's body ends (seen with the openai SDK on real engines: the next turn found
     # nothing held and recomputed). The turn is complete: its KV is kept for the next turn.
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+    body = {"model": "fake", "messages": [ASK], "stream": True,
             "fake_end_delay_ms": 300}  # fmt: skip
     headers = {"X-Conversation-Id": "done-then-gone"}
-    for _ in range(2):
+    for messages in ([ASK], [ASK, *LONG_TAIL]):
+        body["messages"] = messages
         with httpx.stream(
             "POST", gateway + "/v1/chat/completions", json=body, headers=headers
         ) as response:
@@ -352,7 +365,7 @@ def test_status_route_shows_the_table_engines_and_planner(gateway: str) -> None:
 def test_requests_without_an_id_continue_an_implicit_conversation(gateway: str) -> None:
     """A plain client that resends its history (the reply, then something new) is served as
     the next turn of the conversation its history started; a new history starts another."""
-    messages = [{"role": "user", "content": "hello there"}]
+    messages = [ASK]
     body = {"model": "fake", "messages": messages}
     first = httpx.post(gateway + "/v1/chat/completions", json=body)
     assert first.headers["x-kvturn-plan"] == "recompute"
@@ -437,7 +450,7 @@ def test_a_reply_is_marked_under_way_only_while_its_record_must_wait(
         runner.context.store.take = noted("take", runner.context.store.take)
         runner.context.store.settling = noted("mark", runner.context.store.settling)
         runner.context.store.record = noted("record", runner.context.store.record)
-        messages = [{"role": "user", "content": f"marked while streamed? {stream}"}]
+        messages = [{"role": "user", "content": f"marked while streamed? {stream}"}, ASK]
         body = {**_chat_body(messages), "stream": stream}
         first = httpx.post(gateway.url + "/v1/chat/completions", json=body)
         assert first.status_code == 200
@@ -486,7 +499,9 @@ def _chat_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"model": "fake", "messages": messages}
 
 
-LOCAL_MESSAGES = [{"role": "user", "content": "local: continue where you are"}]
+#: A turn that the holder continues when it comes again: what the holder keeps of it is over
+#: the reuse threshold, and what it adds is short.
+LOCAL_MESSAGES = [ASK]
 
 
 def _turn(url: str, conversation: str, stream: bool = False) -> httpx.Response:
@@ -573,9 +588,13 @@ _TOOL_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "bin etc home u
 
 
 def _turn_with(
-    url: str, conversation: str, messages: list[dict[str, Any]], stream: bool = False
+    url: str,
+    conversation: str,
+    messages: list[dict[str, Any]],
+    stream: bool = False,
+    **fields: Any,
 ) -> httpx.Response:
-    body = {"model": "fake", "messages": messages, "stream": stream}
+    body = {"model": "fake", "messages": messages, "stream": stream, **fields}
     response = httpx.post(
         url + "/v1/chat/completions", json=body, headers={"X-Conversation-Id": conversation}
     )
@@ -601,7 +620,7 @@ def test_a_turn_that_extends_the_held_one_is_planned_without_counting(
     config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
     with running_gateway(config) as gateway:
         conversation = f"extending-{stream}"
-        messages = [{"role": "user", "content": "local: list the root directory"}]
+        messages = [ASK]
         first = _turn_with(gateway.url, conversation, messages)
         assert first.headers["x-kvturn-plan"] == "recompute"
         _recorded(gateway, conversation)
@@ -614,31 +633,34 @@ def test_a_turn_that_extends_the_held_one_is_planned_without_counting(
         assert fake_engine.COUNTS["prefill"] == counts["prefill"]
         assert _metric(gateway.url, "kvturn_prompt_count_seconds_count") == counted
         assert _metric(gateway.url, "kvturn_uncounted_turns_total") == 1
-        # Counted once the reply is over (the fake's prompt: 1000 tokens).
+        # Counted once the reply is over (the prompt as the engine tokenizes it).
         _counted("tokenize", counts.get("tokenize", 0), "the turn was never counted")
         _until(
             lambda: _metric(gateway.url, "kvturn_recomputed_tokens_total") > recomputed,
             "the counted tokens never reached the metrics",
         )
         reused = int(second.headers["x-kvturn-reused-tokens"])
+        prompt = len(fake_engine.prompt_ids(_chat_body(messages)))
         assert _metric(gateway.url, "kvturn_recomputed_tokens_total") == (
-            recomputed + 1000 - reused
+            recomputed + prompt - reused
         )
         assert _metric(gateway.url, "kvturn_bound_violations_total") == 0
         assert gateway.app.state.gateway.runner.context.bound_extensions
 
 
 def test_a_bound_that_does_not_hold_turns_planning_by_bounds_off(fake_url: str) -> None:
-    """The engine's template rendered the new messages to more tokens than their bytes
-    (``local-long:`` makes the fake engine say so): from then on every turn is counted while
-    planning, and this one's 5000-token suffix goes to P/D."""
+    """The engine's template rendered the new messages to more tokens than their bytes (the
+    fake's template pads every message by ``pad_messages`` tokens): from then on every turn is
+    counted while planning, and this one's suffix of two padded messages (over 5000 tokens)
+    goes to P/D."""
     config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    padded = {"chat_template_kwargs": {"pad_messages": 2500}}
     with running_gateway(config) as gateway:
-        messages = [{"role": "user", "content": "local-long: list the root directory"}]
-        _turn_with(gateway.url, "long", messages)
+        messages = [{"role": "user", "content": "list the root directory"}]
+        _turn_with(gateway.url, "long", messages, **padded)
         _recorded(gateway, "long")
         messages = [*messages, _REPLY, _TOOL_RESULT]
-        second = _turn_with(gateway.url, "long", messages)
+        second = _turn_with(gateway.url, "long", messages, **padded)
         assert second.headers["x-kvturn-plan"] == "decode-local"
         _until(
             lambda: _metric(gateway.url, "kvturn_bound_violations_total") == 1,
@@ -647,7 +669,7 @@ def test_a_bound_that_does_not_hold_turns_planning_by_bounds_off(fake_url: str) 
         assert not gateway.app.state.gateway.runner.context.bound_extensions
         _recorded(gateway, "long")
         counted = _metric(gateway.url, "kvturn_prompt_count_seconds_count")
-        third = _turn_with(gateway.url, "long", [*messages, _REPLY, _TOOL_RESULT])
+        third = _turn_with(gateway.url, "long", [*messages, _REPLY, _TOOL_RESULT], **padded)
         assert third.headers["x-kvturn-plan"] == "pull-reuse"
         assert third.headers["x-kvturn-plan-reason"] == "suffix-too-long"
         assert _metric(gateway.url, "kvturn_prompt_count_seconds_count") == counted + 1
@@ -670,7 +692,9 @@ def test_where_a_turn_left_its_kv_is_asked_only_of_a_streamed_reply(
         _turn_with(gateway.url, conversation, messages, stream)
         _recorded(gateway, conversation)
         held = gateway.app.state.gateway.store.peek(scoped_key("", conversation))
-        assert held.held_tokens == 1001 and held.held_digest is not None
+        # Its prompt and its reply, less the reply's last token (whose KV is never computed).
+        prompt = len(fake_engine.prompt_ids(_chat_body(messages)))
+        assert held.held_tokens == prompt + 1 and held.held_digest is not None
         assert fake_engine.COUNTS.get("retained_asked", 0) == asked + (1 if stream else 0)
 
 
@@ -836,7 +860,7 @@ def test_a_holder_whose_control_server_is_silent_is_not_the_turns_decode() -> No
                 decode=endpoints([holder, other], [holder, other]),
                 health_interval_s=600,  # the turn itself finds the silent holder
             )
-            messages = [{"role": "user", "content": "pull me"}]  # plans a pull, not local
+            messages = [ASK]
             with running_gateway(config) as gateway:
                 _turn_with(gateway.url, "silent-holder", messages)
                 _recorded(gateway, "silent-holder")
@@ -848,8 +872,8 @@ def test_a_holder_whose_control_server_is_silent_is_not_the_turns_decode() -> No
                     for url in (holder, other)
                 }
                 fake_engine.SILENT_CONTROL_PORTS.add(port)
-                try:
-                    second = _turn_with(gateway.url, "silent-holder", messages)
+                try:  # a long new message: it plans a pull, not a local turn
+                    second = _turn_with(gateway.url, "silent-holder", [*messages, *LONG_TAIL])
                 finally:
                     fake_engine.SILENT_CONTROL_PORTS.clear()
                 assert second.headers["x-kvturn-plan"] == "recompute"
@@ -874,8 +898,8 @@ def test_a_turn_is_answered_while_either_side_has_an_engine(dead: str, stream: b
         )
         with running_gateway(config) as gateway:
             name = f"alone-{dead}-{stream}"
-            for _ in range(2):
-                answer = _chat(gateway.url, stream, **{"X-Conversation-Id": name})
+            for tail in (False, True):  # the second turn plans a pull (a long new message)
+                answer = _chat(gateway.url, stream, tail=tail, **{"X-Conversation-Id": name})
                 assert answer.status_code == 200, answer.text
                 assert answer.headers["x-kvturn-plan"] == "recompute"
                 expected = "no-prefill" if dead == "prefill" else "no-decode"
@@ -1062,7 +1086,7 @@ def test_decodes_without_a_control_server_serve_plain_pd(fake_url: str) -> None:
         assert control.get(call, 0) == 0, call
 
 
-@pytest.mark.parametrize("own", [None, 0, 512, "all"])
+@pytest.mark.parametrize("own", [None, 0, 32, "all"])
 def test_a_pull_counts_only_what_prefill_did_not_hold(
     fake_url: str, monkeypatch: pytest.MonkeyPatch, own: int | str | None
 ) -> None:
@@ -1070,11 +1094,21 @@ def test_a_pull_counts_only_what_prefill_did_not_hold(
     connector says which were its own. The pull's cost is learned from what it moved, and a
     planned pull that moved nothing (prefill already held what the lease did) is said so
     (``recompute``/``prefill-cached``) and frees its claim at once, not when the claim times
-    out. An engine that says nothing is taken at its usage's word, as before."""
+    out. An engine that says nothing is taken at its usage's word, as before.
+
+    ``own``: None, an engine that says nothing (and has no prefix cache of its own); 0, one
+    that says its cache served nothing; 32, one whose cache holds the prompt's first two
+    blocks; ``all``, one whose cache holds the whole prompt (its first turn's)."""
     from tests import fake_engine
 
-    held = fake_engine._PROMPT_TOKENS - 8  # what the fake prefill reports pulling
-    monkeypatch.setattr(fake_engine, "PREFILL_OWN_CACHED", held if own == "all" else own)
+    body = _chat_body([ASK])
+    prompt = fake_engine.prompt_ids(body)
+    # What prefill reads of the lease: the whole digest chunks of the held prompt that the
+    # new one (the same) starts with, never its last token.
+    held = min(len(prompt) // 16 * 16, len(prompt) - 1)
+    assert len(prompt) % fake_engine.BLOCK_SIZE, "a prompt of whole blocks: 'all' would pull"
+    monkeypatch.setattr(fake_engine, "PREFILL_REPORTS_OWN_CACHED", own is not None)
+    monkeypatch.setattr(fake_engine, "PREFILL_PREFIX_CACHING", own == "all")
     config = GatewayConfig(
         prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]), decode_local=False
     )
@@ -1091,10 +1125,15 @@ def test_a_pull_counts_only_what_prefill_did_not_hold(
         conversation = f"own-{own}"
         _chat(gateway.url, **{"X-Conversation-Id": conversation})
         _recorded(gateway, conversation)
+        if own == 32:  # prefill's cache: the prompt's first 2 blocks, then another block
+            monkeypatch.setattr(fake_engine, "PREFILL_PREFIX_CACHING", True)
+            primer = {"model": "fake", "prompt": prompt[:32] + [0] * 16, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+            assert httpx.post(fake_url + "/v1/completions", json=primer).status_code == 200
         ended = fake_engine.COUNTS.get("claims_ended", 0)
         second = _chat(gateway.url, **{"X-Conversation-Id": conversation})
         assert int(second.headers["x-kvturn-reused-tokens"]) == held
-        computed = fake_engine._PROMPT_TOKENS - held  # the fake's usage: 1,000 prompt tokens
+        computed = len(prompt) - held
         if own == "all":
             assert second.headers["x-kvturn-plan"] == "recompute"
             assert second.headers["x-kvturn-plan-reason"] == "prefill-cached"

@@ -9,6 +9,7 @@ outage costs reuse, never a request.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,18 +41,39 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def replicas(fake_url: str, redis_server: RedisServer) -> Iterator[list[str]]:
+    """Two replicas on one table; the same messages again reuse by a pull."""
+    with _pair(fake_url, redis_server, decode_local=False) as pair:
+        yield pair
+
+
+@pytest.fixture
+def local_replicas(fake_url: str, redis_server: RedisServer) -> Iterator[list[str]]:
+    """Two replicas on one table, with decode-local turns (the default)."""
+    with _pair(fake_url, redis_server) as pair:
+        yield pair
+
+
+@contextlib.contextmanager
+def _pair(fake_url: str, redis_server: RedisServer, **settings: Any) -> Iterator[list[str]]:
     config = GatewayConfig(
         prefill=endpoints([fake_url]),
         decode=endpoints([fake_url], [fake_url]),
         state=redis_server.url,
+        **settings,
     )
     with running_gateway(config) as a, running_gateway(config) as b:
         yield [a.url, b.url]
 
 
+#: Long enough that a turn's KV is worth reusing (the fake engine counts a token a byte).
+MESSAGES = [
+    {"role": "user", "content": "Read the repository and list the modules that import the wire."}
+]
+
+
 def _chat(url: str, messages: list[dict[str, Any]] | None = None, **extra: Any) -> httpx.Response:
     headers = extra.pop("headers", {})
-    body = {"model": "fake", "messages": messages or [{"role": "user", "content": "hi"}], **extra}
+    body = {"model": "fake", "messages": messages or MESSAGES, **extra}
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
 
 
@@ -68,9 +90,12 @@ def test_turns_alternating_between_replicas_reuse(replicas: list[str]) -> None:
 
 
 def test_a_conversation_without_an_id_is_found_on_the_other_replica(
-    replicas: list[str],
+    local_replicas: list[str],
 ) -> None:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Plan my week."}]
+    replicas = local_replicas
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Plan my week: three meetings, two reviews, one trip."}
+    ]
     first = _chat(replicas[0], messages)
     assert _plan(first)[0] == "recompute"
     reply = first.json()["choices"][0]["message"]
@@ -142,6 +167,7 @@ def test_a_gateway_restart_keeps_reuse(fake_url: str, redis_server: RedisServer)
         prefill=endpoints([fake_url]),
         decode=endpoints([fake_url], [fake_url]),
         state=redis_server.url,
+        decode_local=False,  # the same messages again reuse by a pull
     )
     cid = {"X-Conversation-Id": "restart"}
     with running_gateway(config) as first:

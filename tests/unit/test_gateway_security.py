@@ -23,7 +23,10 @@ from tests.gateway_fixtures import metric, running_fake_engine, running_gateway
 
 KEY_A = "sk-tenant-a-0123456789abcdef"
 KEY_B = "sk-tenant-b-0123456789abcdef"
-MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
+#: Long enough that a turn's KV is worth reusing (the fake engine counts a token a byte).
+MESSAGES: list[Any] = [
+    {"role": "user", "content": "Read the repository and list the modules that import the wire."}
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,7 @@ def gateway(fake_url: str) -> Iterator[GatewayThread]:
         prefill=endpoints([fake_url]),
         decode=endpoints([fake_url], [fake_url]),
         api_keys=ApiKeys([(KEY_A, "alpha"), (KEY_B, "beta")]),
+        decode_local=False,  # the same messages again reuse by a pull
     )
     with running_gateway(config) as running:
         yield running
@@ -288,6 +292,9 @@ def test_request_bodies_held_at_once_are_bounded(fake_url: str) -> None:
         decode=endpoints([fake_url], [fake_url]),
         max_body_bytes=2 * mib,
         body_budget_bytes=int(2.5 * mib),
+        # No conversation: decode keeps no KV, and its reply carries no digests of the 1 MiB
+        # prompt (a reply of that size goes unanswered by the gateway: reported, not hidden).
+        implicit_conversations=False,
     )
 
     def body(delay_ms: int) -> dict[str, Any]:

@@ -65,7 +65,15 @@ def _turn(url: str, cid: str) -> str:
     with httpx.Client(timeout=30) as client:
         response = client.post(
             url + "/v1/chat/completions",
-            json={"model": "fake", "messages": [{"role": "user", "content": "hi"}]},
+            json={
+                "model": "fake",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "Read the repository and list the modules that import the wire.",
+                    }
+                ],
+            },
             headers={"X-Conversation-Id": cid},
         )
     assert response.status_code == 200, response.text
@@ -105,6 +113,7 @@ def test_workers_share_one_port_and_one_table(fake_url: str, redis_server: Redis
         sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
         "--prefill", fake_url, "--decode", fake_url, "--decode-control", fake_url,
         "--port", str(port), "--workers", "2", "--state", redis_server.url,
+        "--decode-local", "off",  # the same messages again reuse by a pull
     ]  # fmt: skip
     process = subprocess.Popen(command, start_new_session=True)
     try:

@@ -214,6 +214,11 @@ async def test_store_is_bounded_expiring_and_per_tenant() -> None:
 # ---- over HTTP, fake engine ------------------------------------------------------------------
 
 
+#: An input long enough that its turn's KV is worth reusing (the fake engine counts a token a
+#: byte; the gateway reuses from 64 held tokens).
+ASK = "Read the repository and list the modules that import the wire contract."
+
+
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[str]:
     with running_fake_engine() as url:
@@ -230,7 +235,7 @@ def client(gateway: str) -> openai.OpenAI:
 def test_response_chained_by_previous_id_reuses_and_can_be_fetched_and_deleted(
     client: openai.OpenAI, gateway: str
 ) -> None:
-    first = client.responses.with_raw_response.create(model="fake", input="hi")
+    first = client.responses.with_raw_response.create(model="fake", input=ASK)
     response = first.parse()
     assert response.status == "completed" and response.output_text == "ok"
     assert response.usage is not None and response.usage.output_tokens == 2
@@ -290,8 +295,11 @@ def test_function_calls_come_back_as_items_and_chain(client: openai.OpenAI, stre
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "42"}],
     )
     # Not planned by a bound: this request carries no tools, so it renders another prompt
-    # than the one whose call it answers (counted: the fake engine cannot, so a pull).
-    assert answer.headers["x-kvturn-plan"] == "pull-reuse"
+    # than the one whose call it answers (no tools block at its start). Counted, its start
+    # does not match what the holder keeps: a pull is planned (history-edited) and prefill,
+    # which reads only a verified common prefix, finds none to read.
+    assert answer.headers["x-kvturn-plan"] == "recompute"
+    assert answer.headers["x-kvturn-plan-reason"] == "no-common-prefix"
     assert answer.parse().output_text == "ok"
 
 
@@ -307,9 +315,9 @@ def test_unknown_previous_response_and_unstored_ones_get_the_apis_404(
 
 
 def test_store_false_with_the_full_input_reuses_by_its_messages(client: openai.OpenAI) -> None:
-    first = client.responses.create(model="fake", input="tell me", store=False)
+    first = client.responses.create(model="fake", input=ASK, store=False)
     following = [
-        {"role": "user", "content": "tell me"},
+        {"role": "user", "content": ASK},
         *[item.model_dump(exclude_none=True) for item in first.output],
         {"role": "user", "content": "more"},
     ]
@@ -321,7 +329,7 @@ def test_store_false_with_the_full_input_reuses_by_its_messages(client: openai.O
 def test_conversation_parameter_names_the_conversation(client: openai.OpenAI) -> None:
     for plan in ("recompute", "decode-local"):
         raw = client.responses.with_raw_response.create(
-            model="fake", input="hi", conversation="conv_resp_param"
+            model="fake", input=ASK, conversation="conv_resp_param"
         )
         assert raw.headers["x-kvturn-plan"] == plan
         assert raw.headers["x-conversation-id"] == "conv_resp_param"

@@ -148,7 +148,9 @@ def test_turns_with_an_id_are_indexed_for_their_forks_unless_sharing_is_off(
     )
     with running_gateway(config) as gateway:
         store = gateway.app.state.gateway.store
-        response = _post(gateway.url, [{"role": "user", "content": "hi"}], **{"X-Session-ID": "s"})
+        # Long enough that its KV has a verified prefix to share (whole 16-token digest chunks).
+        messages = [{"role": "user", "content": "Plan a week in Lisbon: flights, hotel, trains."}]
+        response = _post(gateway.url, messages, **{"X-Session-ID": "s"})
         _recorded(store, scoped_key("", "s"), 1)
         time.sleep(0.1)  # the record indexes in the same step; nothing comes after it
         assert store.implicit.size() == (1 if shared else 0), response.headers

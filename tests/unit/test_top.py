@@ -31,14 +31,25 @@ def fake_url() -> Iterator[str]:
 
 @pytest.fixture
 def gateway(fake_url: str) -> Iterator[str]:
-    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]), decode_local=False
+    )  # the same messages again reuse by a pull
     with running_gateway(config) as running:
         yield running.url
 
 
 def _turns(url: str, conversation: str, n: int) -> list[str]:
     plans = []
-    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body = {
+        "model": "fake",
+        "messages": [
+            {
+                "role": "user",
+                "content": "Read the repository and list the modules that import the wire.",
+            }
+        ],
+        "stream": True,
+    }
     for _ in range(n):
         response = httpx.post(
             url + "/v1/chat/completions", json=body, headers={"X-Conversation-Id": conversation}
@@ -243,8 +254,9 @@ def test_kvturn_top_live_in_a_real_terminal(fake_url: str) -> None:
 
         wait_for(lambda s: "(retrying)" in s)  # no gateway yet: it waits, it does not exit
         config = GatewayConfig(
-            prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url])
-        )
+            prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]),
+            decode_local=False,  # the same messages again reuse by a pull
+        )  # fmt: skip
         gateway = GatewayThread(config, port=port).start()
         wait_for(lambda s: "turns by plan" in s)
         _turns(url, "live-1", 3)
