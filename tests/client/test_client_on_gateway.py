@@ -15,7 +15,10 @@ from kvturn.gateway.config import GatewayConfig, endpoints
 from kvturn.gateway.server import GatewayThread
 from tests.gateway_fixtures import metric, running_fake_engine, running_gateway
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+#: Long enough that a turn's KV is worth reusing (the fake engine counts a token a byte).
+MESSAGES = [
+    {"role": "user", "content": "Read the repository and list the modules that import the wire."}
+]
 #: A short lease so that a pause of a second already needs heartbeats (first at half the lease).
 LEASE_S = 0.4
 
@@ -28,6 +31,7 @@ def gateway() -> Iterator[GatewayThread]:
             decode=endpoints([fake], [fake]),
             lease_s=LEASE_S,
             expiry_margin_s=0.05,
+            decode_local=False,  # the same messages again reuse by a pull
         )
         with running_gateway(config) as running:
             yield running
@@ -124,7 +128,7 @@ def test_responses_api_inside_a_conversation(gateway: GatewayThread) -> None:
     with client.conversation("responses-conv") as conversation:
         asked = client.responses.create(
             model="fake",
-            input="look it up",
+            input="look it up in the repository, every module that imports the wire",
             tools=[tool],
             tool_choice={"type": "function", "name": "lookup"},
         )
@@ -136,6 +140,7 @@ def test_responses_api_inside_a_conversation(gateway: GatewayThread) -> None:
         with client.responses.stream(
             model="fake",
             previous_response_id=asked.id,
+            tools=[tool],  # the same tools: its prompt extends the first (else nothing to reuse)
             input=[{"type": "function_call_output", "call_id": "call_fake1", "output": "42"}],
         ) as events:
             for _ in events:
