@@ -118,7 +118,7 @@ SHOWN = (
 class Workload:
     name: str
     what: str
-    sessions: int = 24
+    sessions: int = 16
     concurrency: int = 8
     #: KV blocks (128 tokens) of every engine, prefill and decode alike; None: 2 GiB each.
     kv_blocks: int | None = None
@@ -137,7 +137,7 @@ WORKLOADS = {
     for w in (
         Workload(
             "tight",
-            "the sessions' working set beyond one engine's KV but within the pool's: 8 of 24 "
+            "the sessions' working set beyond one engine's KV but within the pool's: 8 of 16 "
             "sessions under way (histories of 2.5-10k tokens, about 45k tokens at once) against "
             "256 blocks (33k tokens) on each engine, prefill and decode alike",
             kv_blocks=256,
@@ -396,6 +396,8 @@ def run_workload(
                 "routed": {k: v - routed_before.get(k, 0) for k, v in routed_after.items()},
             }  # fmt: skip
             runs.append(run)
+            # Every run on disk as it ends: a run cut short keeps what it measured.
+            (work / "runs.json").write_text(json.dumps(runs, indent=1))
             shown_now = [f"{label} {run[key]:.1f}" for label, key in SHOWN if run[key] is not None]
             print(f"     {', '.join(shown_now)}, errors {run['errors']:.0f}, tokens "
                   f"{run['tokens']}, plans {run['reasons']}", flush=True)  # fmt: skip
