@@ -38,11 +38,12 @@ whichever mode goes first).
     goes through P/D. No leases, no release, no SDK.
 ``kvturn``
     kvturn's gateway as shipped, in front of the same engines, the same session header.
-``kvturn-no-budget``
+``kvturn-budget-5ms``
     (an alternative, measured to choose the default) a second kvturn gateway
-    (``kvturn serve``) on the same engines with ``--local-stall-budget-s inf``: a turn may
-    compute its suffix on a decode that is streaming others' replies, as kvturn did before
-    the budget (its stall then only weighed in the cost, ``--local-stall-weight``).
+    (``kvturn serve``) on the same engines with ``--local-stall-budget-s 0.005``: a busy
+    holder's suffix is computed on prefill unless its compute fits 5 ms. The results of
+    2026-12-07 ran when that was kvturn's default: their ``kvturn`` mode had the budget and
+    their ``kvturn-no-budget`` mode was ``--local-stall-budget-s inf``, today's default.
 
 Each run records AIPerf's TTFT p50/p90, inter-token latency p50/p99, request latency p50/p90
 and the job (AIPerf's benchmark duration); the engines' prompt tokens by source (computed,
@@ -93,11 +94,11 @@ from kvturn.wire import CONTROL_SECRET_ENV
 RESULTS = Path(__file__).parent / "results"
 CONFIG = Path(__file__).parent / "agentic_code.json"
 GATEWAY_PORT = 28000
-NO_BUDGET_PORT = 28050
+BUDGET_PORT = 28050
 AFFINITY_PORT = 29400
 BIDIRECTIONAL_PORT = 29500
 BLOCK_SIZE = 128
-MODES = ("vllm-pd", "decode-affinity", "upstream-bidirectional", "kvturn", "kvturn-no-budget")
+MODES = ("vllm-pd", "decode-affinity", "upstream-bidirectional", "kvturn", "kvturn-budget-5ms")
 BASELINES = ("vllm-pd", "decode-affinity", "upstream-bidirectional")
 #: (AIPerf metric, statistic, the key a run records it under)
 METRICS = (
@@ -129,7 +130,7 @@ class Workload:
     #: no kvturn gateway sent keeps its blocks for the fixed TTL (480 s), never reclaimed
     #: (``kvturn up --retain-untracked``). Plain P/D's baselines cannot share those engines.
     bidirectional: bool = False
-    modes: tuple[str, ...] = ("vllm-pd", "decode-affinity", "kvturn", "kvturn-no-budget")
+    modes: tuple[str, ...] = ("vllm-pd", "decode-affinity", "kvturn", "kvturn-budget-5ms")
 
 
 WORKLOADS = {
@@ -301,20 +302,20 @@ def deployed(workload: Workload) -> Iterator[tuple[dict[str, Any], dict[str, str
             *_engine_flags(state), "--port", str(AFFINITY_PORT),
             "--decode-blocks", str(blocks or 4096),
         ]  # fmt: skip
-        no_budget = [
+        budget_5ms = [
             sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
-            "--port", str(NO_BUDGET_PORT), "--local-stall-budget-s", "inf",
+            "--port", str(BUDGET_PORT), "--local-stall-budget-s", "0.005",
             *_engine_flags(state, control=True),
         ]  # fmt: skip
         with (
             server(*affinity, port=AFFINITY_PORT),
-            server(*no_budget, port=NO_BUDGET_PORT, env=secret),
+            server(*budget_5ms, port=BUDGET_PORT, env=secret),
         ):
             urls = {
                 "vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}",
                 "decode-affinity": f"http://127.0.0.1:{AFFINITY_PORT}",
                 "kvturn": str(state["gateway"]).removesuffix("/v1"),
-                "kvturn-no-budget": f"http://127.0.0.1:{NO_BUDGET_PORT}",
+                "kvturn-budget-5ms": f"http://127.0.0.1:{BUDGET_PORT}",
             }
             routers = {"vllm-pd": router_command, "decode-affinity": shown(tuple(affinity))}
             yield state, urls, routers
@@ -448,7 +449,7 @@ def ratio(mine: list[float], base: list[float]) -> str:
     return f"**{text}**" if pairs[-1] < 1.0 else text
 
 
-def report(results: list[dict[str, Any]], argv: list[str], date: str) -> str:
+def report(results: list[dict[str, Any]], argv: list[str], date: str, notes: str = "") -> str:
     lines = [
         "# kvturn against the strongest baselines: AIPerf's agentic-coding workload",
         "",
@@ -464,6 +465,7 @@ def report(results: list[dict[str, Any]], argv: list[str], date: str) -> str:
         "every pair of runs); a range holding 1.00 is a tie, bold only where the whole range "
         "is below 1.0. Tokens: prompt tokens the engines computed / served from their own "
         "prefix cache / received over NIXL, a run (median).",
+        *(["", notes] if notes else []),
         "",
     ]
     for result in results:
@@ -559,11 +561,15 @@ def main() -> int:
     )
     parser.add_argument("--output", default="aiperf_agentic", help="results file stem")
     parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
+    parser.add_argument("--notes", help="with --render: a paragraph to keep with the results")
     args = parser.parse_args()
     json_path, md_path = RESULTS / f"{args.output}.json", RESULTS / f"{args.output}.md"
     if args.render:
         saved = json.loads(json_path.read_text())
-        md_path.write_text(report(saved["results"], saved["argv"], saved["date"]))
+        notes = args.notes if args.notes is not None else saved.get("notes", "")
+        saved["notes"] = notes
+        json_path.write_text(json.dumps(saved, indent=1))
+        md_path.write_text(report(saved["results"], saved["argv"], saved["date"], notes))
         return 0
     for tool in (AIPERF_BIN, ROUTER_BIN):
         if not tool.exists():

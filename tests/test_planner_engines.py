@@ -231,12 +231,12 @@ def _prompt_tokens_computed(url: str) -> float:
 def test_a_suffix_that_would_stall_the_holders_streams_is_computed_on_prefill(
     local_pair: LocalPair,
 ) -> None:
-    """While the holder decodes another conversation's stream, a turn whose suffix would stall
-    that stream past ``local_stall_budget_s`` is pulled: prefill reads the history over NIXL and
-    computes the suffix, decode computes none of it. With the holder idle, the same kind of
-    turn continues there and no KV moves."""
+    """With a stall budget (``local_stall_budget_s``, off by default): while the holder decodes
+    another conversation's stream, a turn whose suffix would stall that stream past it is
+    pulled: prefill reads the history over NIXL and computes the suffix, decode computes none
+    of it. With the holder idle, the same kind of turn continues there and no KV moves."""
     pair = local_pair
-    with running_gateway(_config(pair)) as gateway:
+    with running_gateway(_config(pair, local_stall_budget_s=0.005)) as gateway:
         client = _client(gateway)
         conversation = f"budget-{uuid.uuid4().hex[:8]}"
         messages = _opening("moraines", 1500)

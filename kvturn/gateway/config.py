@@ -70,7 +70,8 @@ class GatewayConfig:
     local_preference: float = 0.25
     #: The longest a local prefill may stall the holder's other streams, seconds (see
     #: :class:`kvturn.gateway.planner.LocalLimits`): past it, a busy holder's turn is pulled.
-    local_stall_budget_s: float = 0.005
+    #: Off (infinite) by default, as measured there.
+    local_stall_budget_s: float = math.inf
     #: Requests without a conversation id that extend a recent turn's messages and reply are
     #: served as that conversation's next turn.
     implicit_conversations: bool = True

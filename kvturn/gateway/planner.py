@@ -107,11 +107,12 @@ class LocalLimits:
     #: suffix's compute (:meth:`CostModel.local_stall_seconds`) runs inside one of their
     #: steps, so each of them waits that long for its next token. Past it, while the holder
     #: decodes any stream, the suffix is computed on prefill instead (a pull: decode then only
-    #: reads KV). Measured on AIPerf's agentic-coding workload at equal memory, against the
-    #: same gateway without it (benchmarks/results/aiperf_agentic.md): ITL p50 26 against 28
-    #: ms, p99 98 against 110, TTFT p90 4.2 against 4.9 s, for a later median first token
-    #: (1.10 against 0.93 s).
-    stall_budget_s: float = 0.005
+    #: reads KV). Off (infinite) by default: measured on AIPerf's agentic-coding workload at
+    #: equal memory against the same gateway without it (benchmarks/results/aiperf_agentic.md
+    #: and aiperf_agentic_roomy.md), 5 ms gave a later median first token in both (1.10
+    #: against 0.93 s tight, 0.57 against 0.47 s roomy) and inter-token latency inside the
+    #: noise (p99 98 against 110 ms tight, 65 against 46 ms roomy).
+    stall_budget_s: float = math.inf
     #: Seconds of delay to other streams, per second of the turn's own time to first token:
     #: a local prefill of ``t`` seconds on a decode serving ``k`` streams costs ``t`` for this
     #: turn and ``stall_weight * k * t`` for the others.

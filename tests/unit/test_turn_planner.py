@@ -115,9 +115,11 @@ def test_a_suffix_that_would_stall_the_holders_streams_past_the_budget_is_pulled
     plan = _choose(LocalLimits(stall_budget_s=0.03), holder_running=1)
     assert (plan.plan, plan.reason) == ("pull-reuse", "streams-budget")
     assert _choose(LocalLimits(stall_budget_s=0.033), holder_running=1).local
-    # A short suffix fits the default budget (5 ms: ~33 tokens by the priors).
-    assert _choose(prompt_tokens=3984 + 30, holder_running=2).local
-    assert _choose(prompt_tokens=3984 + 40, holder_running=2).reason == "streams-budget"
+    # A short suffix fits a 5 ms budget (~33 tokens by the priors); by default there is none.
+    five_ms = LocalLimits(stall_budget_s=0.005)
+    assert _choose(five_ms, prompt_tokens=3984 + 30, holder_running=2).local
+    assert _choose(five_ms, prompt_tokens=3984 + 40, holder_running=2).reason == "streams-budget"
+    assert _choose(prompt_tokens=3984 + 40, holder_running=2).local
 
 
 def test_the_stall_is_the_holders_learned_per_token_cost_not_its_fixed_cost() -> None:

@@ -66,7 +66,8 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
     "local_preference": (float, "a local prefill may be predicted this much slower than a pull"),
     "local_stall_budget_s": (
         float,
-        "longest a local prefill may stall the holder's other streams, seconds (past it: pull)",
+        "longest a local prefill may stall the holder's other streams, seconds (past it: pull; "
+        "default inf, off)",
     ),
     "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
     "shared_prefixes": (
