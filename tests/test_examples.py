@@ -93,8 +93,8 @@ def test_openai_sdk_log_agent(local_pair: LocalPair) -> None:
     assert outcome.calls[3].answer is not None and not outcome.calls[3].answer.tool_calls
 
 
-def _prefill_cache(url: str) -> tuple[float, float]:
-    """Prefill's prefix-cache counters (vLLM's own): prompt tokens looked up, tokens hit."""
+def _engine_cache(url: str) -> tuple[float, float]:
+    """An engine's prefix-cache counters (vLLM's own): prompt tokens looked up, tokens hit."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return (
         metric_total(text, "vllm:prefix_cache_queries_total"),
@@ -102,12 +102,12 @@ def _prefill_cache(url: str) -> tuple[float, float]:
     )
 
 
-def _prefill_cache_after(url: str, queries_before: float) -> tuple[float, float]:
+def _engine_cache_after(url: str, queries_before: float) -> tuple[float, float]:
     """The counters once they count a request sent after ``queries_before`` was read (vLLM
     updates them as each step's stats come in), or after 10 s."""
     deadline = time.monotonic() + 10
     while True:
-        queries, hits = _prefill_cache(url)
+        queries, hits = _engine_cache(url)
         if queries > queries_before or time.monotonic() > deadline:
             return queries, hits
         time.sleep(0.1)
@@ -164,20 +164,21 @@ def test_the_demo_comparison_is_warm_alternating_concurrent_and_salted(
         assert demo_compare.replies_matched(run) == (6, 6), run.mode
     assert all(c.plan == "recompute" for calls in comparison.recomputed.agents for c in calls)
     assert len(demo_compare.median_rows(comparison)) == 3
-    # Engine-side: the gateway took the run's salt to prefill. The last kvturn run's first
-    # prompt, sent to prefill again under that salt, is found in its prefix cache; under a
-    # fresh salt, none of it is (so no run found another run's prompts).
+    # Engine-side: the run's salt reached the engines. The last kvturn run's first prompt,
+    # sent again to the decode that served it (its prefix cache holds what it read and
+    # computed; the test pair's prefill runs without one) under that salt, is found in its
+    # prefix cache; under a fresh salt, none of it is (so no run found another run's prompts).
     last = comparison.of(kvturn)[-1]
     dropped = ("stream_options", "max_completion_tokens", "cache_salt")
     probe = {k: v for k, v in last.agents[0][0].body.items() if k not in dropped}
     probe.update(stream=False, max_tokens=1)
-    prefill = local_pair.prefill_url
-    queries, hits = _prefill_cache(prefill)
-    chat(prefill, {**probe, "cache_salt": f"probe-{uuid.uuid4().hex}"})
-    queries_fresh, hits_fresh = _prefill_cache_after(prefill, queries)
+    decode = local_pair.decode_url
+    queries, hits = _engine_cache(decode)
+    chat(decode, {**probe, "cache_salt": f"probe-{uuid.uuid4().hex}"})
+    queries_fresh, hits_fresh = _engine_cache_after(decode, queries)
     assert queries_fresh > queries and hits_fresh == hits
-    chat(prefill, {**probe, "cache_salt": last.salt})
-    _, hits_salted = _prefill_cache_after(prefill, queries_fresh)
+    chat(decode, {**probe, "cache_salt": last.salt})
+    _, hits_salted = _engine_cache_after(decode, queries_fresh)
     assert hits_salted - hits_fresh >= 128  # at least one of vLLM-CPU's 128-token blocks
 
 
