@@ -41,18 +41,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvturn.wire import PREFILL_FOR_REMOTE_DECODE
+
 SESSION_HEADER = "x-session-id"
 #: The documented example threshold of llm-d's ``pd-profile-handler`` (non-cached tokens below
 #: which a request runs on decode alone).
 DEFAULT_THRESHOLD = 500
-PD_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+#: vLLM's P/D request to prefill (its NixlConnector protocol), as kvturn's wire declares it.
+PD_PREFILL_PARAMS = PREFILL_FOR_REMOTE_DECODE
 
 
 class BlockIndex:
@@ -180,11 +176,16 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=128)
     args = parser.parse_args()
     router = AffinityRouter(args)
+    serve(router.chat, router.health, args.port)
+
+
+def serve(chat: Any, health: Any, port: int) -> None:
+    """A router's chat completions and health routes on ``port`` of the loopback."""
     app = Starlette(routes=[
-        Route("/v1/chat/completions", router.chat, methods=["POST"]),
-        Route("/health", router.health, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
     ])  # fmt: skip
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -36,12 +36,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import uvicorn
-from affinity_router import PD_PREFILL_PARAMS, SESSION_HEADER, AffinityRouter
-from starlette.applications import Starlette
+from affinity_router import PD_PREFILL_PARAMS, SESSION_HEADER, AffinityRouter, serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from kvturn.wire import CONTROL_SECRET_ENV, EXPIRES_IN_KEY, control_authorization, retained_path
 
@@ -122,11 +119,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29500)
     args = parser.parse_args()
     proxy = BidirectionalProxy(args)
-    app = Starlette(routes=[
-        Route("/v1/chat/completions", proxy.chat, methods=["POST"]),
-        Route("/health", proxy.health, methods=["GET"]),
-    ])  # fmt: skip
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    serve(proxy.chat, proxy.health, args.port)
 
 
 if __name__ == "__main__":

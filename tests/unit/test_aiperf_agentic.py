@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import affinity_router
 import aiperf_agentic
+import bidirectional_proxy
 
 
 def test_the_affinity_index_counts_leading_blocks_it_was_sent() -> None:
@@ -34,6 +35,11 @@ def test_the_affinity_index_forgets_the_least_recently_sent_past_its_capacity() 
     index.record(second)  # four blocks sent into three: the oldest, first's [1], is gone
     assert index.cached_tokens(second) == 2
     assert index.cached_tokens(first) == 0
+
+
+def test_both_baseline_routers_send_prefill_vllms_own_pd_request() -> None:
+    assert bidirectional_proxy.PD_PREFILL_PARAMS is affinity_router.PD_PREFILL_PARAMS
+    assert affinity_router.PD_PREFILL_PARAMS["do_remote_decode"] is True
 
 
 def test_a_session_stays_on_its_engine_and_sessions_spread() -> None:
