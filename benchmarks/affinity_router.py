@@ -31,7 +31,7 @@ import argparse
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -140,20 +140,31 @@ class AffinityRouter:
         upstream = await self.client.send(
             self.client.build_request("POST", url, json=decode_body), stream=True
         )
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-
-        return StreamingResponse(
-            relay(), upstream.status_code, media_type=upstream.headers.get("content-type")
-        )
+        return streamed(upstream)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", **self.counts})
+
+
+def streamed(
+    upstream: httpx.Response, after: Callable[[], Awaitable[None]] | None = None
+) -> StreamingResponse:
+    """Decode's streamed answer relayed to the client as it comes, with its status and content
+    type; once it ends (or the client leaves), the upstream response is closed and ``after``
+    runs."""
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+            if after is not None:
+                await after()
+
+    return StreamingResponse(
+        relay(), upstream.status_code, media_type=upstream.headers.get("content-type")
+    )
 
 
 def main() -> None:

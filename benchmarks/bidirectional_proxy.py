@@ -32,13 +32,12 @@ import argparse
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from affinity_router import PD_PREFILL_PARAMS, SESSION_HEADER, AffinityRouter, serve
+from affinity_router import PD_PREFILL_PARAMS, SESSION_HEADER, AffinityRouter, serve, streamed
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from kvturn.wire import CONTROL_SECRET_ENV, EXPIRES_IN_KEY, control_authorization, retained_path
 
@@ -85,18 +84,7 @@ class BidirectionalProxy:
             headers={"X-Request-Id": rid},
         )  # fmt: skip
         upstream = await self.client.send(built, stream=True)
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-                await self.remember(session, decode, rid)
-
-        return StreamingResponse(
-            relay(), upstream.status_code, media_type=upstream.headers.get("content-type")
-        )
+        return streamed(upstream, after=lambda: self.remember(session, decode, rid))
 
     async def remember(self, session: str, decode: str, rid: str) -> None:
         """The params decode retained the turn's KV under, for the conversation's next turn."""

@@ -4,6 +4,7 @@ without engines or AIPerf: the router's prefix-cache index and the report's rati
 from __future__ import annotations
 
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -80,3 +81,31 @@ def test_the_report_compares_kvturn_with_each_baseline_and_the_best_per_metric()
     assert "**0.80 (0.80-0.80)** vs decode-affinity" in best
     assert "1.00 (1.00-1.00) vs vllm-pd" in best
     assert "pull-reuse/streams-budget 3" in text
+
+
+async def test_a_baseline_router_relays_decodes_stream_then_runs_what_follows() -> None:
+    import httpx
+
+    events = [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for event in events:
+            yield event
+
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(
+            200, content=chunks(), headers={"content-type": "text/event-stream"}
+        )
+    )
+    ran: list[str] = []
+
+    async def after() -> None:
+        ran.append("after")
+
+    async with httpx.AsyncClient(transport=transport) as client:
+        upstream = await client.send(client.build_request("POST", "http://d/v1"), stream=True)
+        response = affinity_router.streamed(upstream, after)
+        assert (response.status_code, response.media_type) == (200, "text/event-stream")
+        relayed = [chunk async for chunk in response.body_iterator]
+    assert b"".join(relayed) == b"".join(events)
+    assert upstream.is_closed and ran == ["after"]
