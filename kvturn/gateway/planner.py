@@ -221,8 +221,8 @@ def _stalls_streams(
     costs: CostModel,
 ) -> bool:
     """Whether a local prefill of ``suffix`` would stall the holder's ``running`` streams past
-    the budget (an idle holder stalls nobody)."""
-    if running <= 0:
+    the budget (an idle holder stalls nobody; with no budget, the default, nothing is costed)."""
+    if running <= 0 or math.isinf(limits.stall_budget_s):
         return False
     return costs.local_stall_seconds(holder_url, suffix, prefill_url) > limits.stall_budget_s
 
