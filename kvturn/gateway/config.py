@@ -125,6 +125,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     #: The longest a whole streamed reply may last, seconds (0: no cap).
     max_stream_s: float = 0.0
+    #: How many times one streamed reply may move to another engine when its decode's stream
+    #: breaks off mid-reply (:mod:`kvturn.gateway.turns.migrate`); 0: never (an error event).
+    migration_limit: int = 2
     health_interval_s: float = 2.0
     #: How long to wait, after a decode reply ends, for its connector to publish the retained KV.
     publish_wait_s: float = 0.5
@@ -190,6 +193,8 @@ class GatewayConfig:
             raise ValueError(f"local_stall_budget_s must be >= 0, not {self.local_stall_budget_s}")
         if not self.local_stall_weight >= 0:
             raise ValueError(f"local_stall_weight must be >= 0, not {self.local_stall_weight}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, not {self.migration_limit}")
         if self.transfer not in ("pull", "push"):
             raise ValueError(f"transfer must be pull or push, not {self.transfer!r}")
         if self.transfer == "push" and any(p.control_url is None for p in self.prefill):
@@ -249,7 +254,7 @@ class GatewayConfig:
             "read_timeout_s": float,
             "max_connections": int,
             "connect_timeout_s": float,
-            "request_timeout_s": float, "max_stream_s": float,
+            "request_timeout_s": float, "max_stream_s": float, "migration_limit": int,
             "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,

@@ -132,6 +132,12 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "kvturn_upstream_errors", "Engine requests that failed, by role", ["role"], registry=r
         )
+        self.migrations = Counter(
+            "kvturn_stream_migrations",
+            "Streams whose decode broke off mid-reply: continued on another engine, failed to "
+            "(no engine took it), or impossible (bound reached, or not migratable)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
 
         # Children by label value, looked up once: ``labels()`` costs microseconds per call on
         # the turn path. Label values come from small fixed sets (plans, reasons, roles, kinds).
@@ -144,6 +150,7 @@ class GatewayMetrics:
         self.prefill_seconds_by = _ByLabel(self.prefill_seconds)
         self.pauses_by = _ByLabel(self.pauses)
         self.upstream_errors_by = _ByLabel(self.upstream_errors)
+        self.migrations_by = _ByLabel(self.migrations)
         self.lease_renewals_by = _ByLabel(self.lease_renewals)
 
     def render(self) -> bytes:

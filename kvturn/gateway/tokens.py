@@ -66,3 +66,20 @@ async def prompt_token_ids(
         return None
     tokens = response.json().get("tokens")
     return tokens if isinstance(tokens, list) else None
+
+
+async def detokenized(
+    upstream: Upstream, engine_url: str, model: Any, ids: list[int]
+) -> str | None:
+    """The text of ``ids`` as ``engine_url``'s tokenizer decodes it; ``None`` if it cannot say."""
+    try:
+        response = await upstream.post_json(
+            engine_url + "/detokenize",
+            {"model": model, "tokens": ids},
+            timeout_s=TOKENIZE_TIMEOUT_S,
+        )
+    except UpstreamUnavailable as error:
+        logger.debug("detokenize on %s failed: %s", engine_url, error)
+        return None
+    text = response.json().get("prompt") if response.status == 200 else None
+    return text if isinstance(text, str) else None

@@ -57,6 +57,10 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
         "in it, seconds",
     ),
     "max_stream_s": (float, "longest a whole streamed reply may last, seconds (0: no cap)"),
+    "migration_limit": (
+        int,
+        "times a streamed reply may move to another engine when its decode breaks off (0: never)",
+    ),
     "health_interval_s": (float, "engine health-check period, seconds"),
     "publish_wait_s": (float, "wait for decode to publish retained KV, seconds"),
     "decode_local": (parse_flag, "on/off: short turns continue on the decode holding the history"),

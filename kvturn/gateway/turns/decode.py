@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,9 @@ from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply
 from kvturn.gateway.state.table import Taken
+from kvturn.gateway.tokens import CHAT_PATH, detokenized
 from kvturn.gateway.turns.context import TurnContext
+from kvturn.gateway.turns.migrate import Ledger, Migration, Seam, migratable, wants_usage
 from kvturn.gateway.turns.model import (
     DecodeFailed,
     PrefillResult,
@@ -39,9 +42,16 @@ logger = logging.getLogger("kvturn.gateway")
 class Decoder:
     """Sends a turn to decode (see the module's docstring)."""
 
-    def __init__(self, context: TurnContext, settlement: Settlement):
+    def __init__(
+        self,
+        context: TurnContext,
+        settlement: Settlement,
+        resume: Callable[[Turn, Instance | None], Awaitable[Reply]] | None = None,
+    ):
         self.context = context
         self.settlement = settlement
+        #: Serves a broken stream's continuation (:meth:`~.runner.TurnRunner.resume`).
+        self.resume = resume
 
     def failed(self, failure: DecodeFailed) -> Instance | None:
         """Note a decode that failed before replying; the instance, to avoid on a retry."""
@@ -89,6 +99,9 @@ class Decoder:
         # decode publishes the KV it retains under it. (A push turn's prefill shares it.)
         request_id = request_id or turn.engine_request_id()
         body = dict(turn.body)
+        migration = self._migration(turn)
+        if migration is not None:
+            body["return_token_ids"] = True  # what a continuation starts from
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
         # once: a turn without a conversation never comes back for it).
@@ -145,7 +158,7 @@ class Decoder:
         instance.last_sent = time.monotonic()
         try:
             if turn.stream:
-                reply = await self._streamed(turn, instance, prefilled, after, sending)
+                reply = await self._streamed(turn, instance, prefilled, after, sending, migration)
             else:
                 reply = await self._whole(turn, instance, prefilled, after, sending)
         except BaseException:
@@ -220,6 +233,7 @@ class Decoder:
         prefilled: PrefillResult,
         after: After,
         sending: _Sending,
+        migration: Migration | None = None,
     ) -> Reply:
         """Decode's reply as a stream, relayed as it comes (:class:`~.relay.Relay`)."""
         url, body, upstream_headers = sending.url, sending.body, sending.headers
@@ -271,8 +285,33 @@ class Decoder:
             sent,
             sending.spans,
             head=head,
+            migration=migration,
         )
         return Reply(200, headers=response_headers, stream=relay)
+
+    def _migration(self, turn: Turn) -> Migration | None:
+        """What a streamed reply needs to continue on another engine if its decode breaks off
+        mid-way (:mod:`.migrate`), where it may."""
+        limit = self.context.config.migration_limit
+        if self.resume is None or limit <= 0 or turn.resumes:
+            return None
+        if not migratable(turn.path, turn.body):
+            return None
+        ledger = Ledger(
+            chat=turn.path == CHAT_PATH, client_ids=bool(turn.body.get("return_token_ids"))
+        )
+        model = turn.body.get("model")
+
+        async def detokenize(ids: list[int]) -> str | None:
+            for instance in (*self.context.prefill.healthy(), *self.context.decode.healthy()):
+                text = await detokenized(self.context.upstream, instance.url, model, ids)
+                if text is not None:
+                    return text
+            return None
+
+        return Migration(
+            turn, ledger, Seam(ledger, wants_usage(turn.body)), limit, self.resume, detokenize
+        )
 
 
 @dataclass(slots=True)

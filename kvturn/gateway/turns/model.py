@@ -69,6 +69,9 @@ class Turn:
     trace_headers: dict[str, str] = field(default_factory=dict)
     #: The gateway's tracer, when it traces (:mod:`kvturn.gateway.tracing`).
     tracer: trace.Tracer | None = None
+    #: A broken stream's continuation (:mod:`.migrate`): its own break is its parent's to
+    #: handle, and it keeps no KV.
+    resumes: bool = False
     #: A batch of prompts: how many of them may have engine requests in flight at once
     #: (:func:`~kvturn.gateway.batches.serve_batch`; what its tenant had left).
     window: int = BATCH_WINDOW

@@ -12,10 +12,11 @@ import orjson
 
 from kvturn.gateway import tracing
 from kvturn.gateway.digests import ReplyCollector
-from kvturn.gateway.errors import UpstreamError
+from kvturn.gateway.errors import GatewayError, UpstreamError
 from kvturn.gateway.http.upstream import StreamResponse, UpstreamUnavailable, next_chunk
 from kvturn.gateway.pools import Instance
-from kvturn.gateway.replies import Reply
+from kvturn.gateway.replies import Reply, ReplyStream
+from kvturn.gateway.turns.migrate import Migration
 from kvturn.gateway.turns.model import PrefillResult
 from kvturn.gateway.turns.settle import After, Settlement
 
@@ -113,6 +114,7 @@ class Relay:
         sent: float,
         spans: tracing.DecodeSpans | None = None,
         head: list[bytes] | None = None,
+        migration: Migration | None = None,
     ):
         #: What :func:`reply_start` read already, relayed first.
         self.head = list(head or ())
@@ -130,23 +132,30 @@ class Relay:
         self.broken = False
         #: Decode's ``[DONE]`` was relayed: the reply is whole, whatever comes after.
         self.done = False
+        #: Where the reply may continue if decode's stream breaks (:mod:`.migrate`), and the
+        #: stream it continues on once it has.
+        self.migration = migration
+        self.continued: ReplyStream | None = None
+        self.continued_on: Instance | None = None
+        #: A failure seen after events that went out first: (why, engine unreachable).
+        self.failure: tuple[str, bool] | None = None
 
     @property
     def at_end(self) -> bool:
+        if self.migration is not None:
+            return False  # whole events only, and perhaps another engine's: asked once more
         return not self.head and self.upstream.at_end
 
     async def next_chunk(self) -> bytes | None:
         if self.broken:
             return None
-        try:
-            chunk = self.head.pop(0) if self.head else await next_chunk(self.upstream)
-        except UpstreamUnavailable as error:
-            # Too late to retry the turn: tell the client the OpenAI way (the SDK raises an
-            # APIError for an error event) rather than cutting the connection.
-            logger.warning("decode's stream broke off: %s", error)
-            self.settlement.context.metrics.upstream_errors_by["decode"].inc()
-            self.broken = True
-            return STREAM_BROKE
+        if self.migration is not None:
+            chunk = await self._migratable_chunk(self.migration)
+        else:
+            try:
+                chunk = self.head.pop(0) if self.head else await next_chunk(self.upstream)
+            except UpstreamUnavailable as error:
+                return self._broke(str(error))
         if chunk is not None:
             if chunk.endswith(SSE_DONE):
                 # The client has the whole reply once this is relayed, and may close at once.
@@ -165,6 +174,89 @@ class Relay:
                 self.collector.feed(chunk)
         return chunk
 
+    def _broke(self, why: str) -> bytes:
+        """Too late to retry the turn, and no engine to continue it on: tell the client the
+        OpenAI way (the SDK raises an APIError for an error event) rather than cutting the
+        connection."""
+        logger.warning("decode's stream broke off: %s", why)
+        self.settlement.context.metrics.upstream_errors_by["decode"].inc()
+        self.broken = True
+        return STREAM_BROKE
+
+    async def _migratable_chunk(self, migration: Migration) -> bytes | None:
+        """The next whole events of a migratable reply, from decode or, once its stream broke
+        off, from the engine the reply continues on (:mod:`.migrate`)."""
+        while True:
+            failure, self.failure = self.failure, None
+            if failure is None:
+                raw: bytes | None
+                try:
+                    if self.head:
+                        raw = self.head.pop(0)
+                    elif self.continued is not None:
+                        raw = await self.continued.next_chunk()
+                    else:
+                        raw = await next_chunk(self.upstream)
+                except UpstreamUnavailable as error:
+                    failure = (str(error), True)
+                else:
+                    if raw is None and migration.ledger.done:
+                        return None
+                    if raw is None:
+                        failure = ("the stream ended before the reply was complete", False)
+                    else:
+                        feed = migration.seam if self.continued is not None else migration.ledger
+                        out, broke = feed.feed(raw)
+                        if broke:
+                            failure = ("an error event", False)
+                        if out:
+                            # Events before a failure's are the client's all the same; the
+                            # failure is handled on the next call.
+                            self.failure = failure
+                            return out
+                        if failure is None:
+                            continue
+            why, unreachable = failure
+            if not await self._migrate(migration, why, unreachable):
+                return self._broke(why)
+            held = await migration.held_text()
+            if held:
+                return migration.seam.text_event(held)
+
+    async def _migrate(self, migration: Migration, why: str, unreachable: bool) -> bool:
+        """Continue the reply on another engine; whether it does."""
+        context = self.settlement.context
+        broken_on = self.continued_on or self.instance
+        if unreachable:
+            broken_on.healthy = False  # health checks bring it back once it answers
+        turn = migration.continuation()
+        if turn is None:
+            context.metrics.migrations_by["impossible"].inc()
+            return False
+        logger.warning(
+            "decode's stream broke off on %s (%s) after %d tokens: continuing on another engine",
+            broken_on.url, why, len(migration.ledger.reply_ids),
+        )  # fmt: skip
+        context.metrics.upstream_errors_by["decode"].inc()
+        if self.continued is not None:
+            await self.continued.aclose()
+            self.continued = None
+        else:
+            await self.upstream.aclose()
+        try:
+            reply = await migration.resume(turn, broken_on)
+        except GatewayError as error:
+            logger.warning("the reply could not continue: %s", error)
+            context.metrics.migrations_by["failed"].inc()
+            return False
+        if reply.stream is None or reply.status != 200:
+            context.metrics.migrations_by["failed"].inc()
+            return False
+        context.metrics.migrations_by["continued"].inc()
+        self.continued = reply.stream
+        self.continued_on = getattr(reply.stream, "instance", None)
+        return True
+
     async def abandon(self) -> None:
         """Close it unsent: the turn is served another way, and counted there."""
         self.first = False
@@ -176,6 +268,9 @@ class Relay:
             return
         self.closed = True
         completed = (self.upstream.at_end or self.done) and not self.broken
+        if self.continued is not None:
+            completed = False  # decode's own stream broke: it keeps nothing of the turn
+            await self.continued.aclose()
         await self.upstream.aclose()
         self.instance.in_flight -= 1
         if self.spans is not None:

@@ -18,13 +18,14 @@ from kvturn.gateway.config import GatewayConfig
 from kvturn.gateway.errors import NoHealthyEngine, UpstreamError
 from kvturn.gateway.http.upstream import Upstream
 from kvturn.gateway.metrics import GatewayMetrics
+from kvturn.gateway.planner import TurnPlan
 from kvturn.gateway.pools import Instance, Pool
 from kvturn.gateway.replies import Reply
 from kvturn.gateway.state.table import Conversation, ConversationTable, Taken
 from kvturn.gateway.turns.context import TurnContext
 from kvturn.gateway.turns.decode import Decoder
 from kvturn.gateway.turns.dispatch import Dispatch
-from kvturn.gateway.turns.model import DecodeFailed, PrefillResult, Turn
+from kvturn.gateway.turns.model import DecodeFailed, PrefillResult, Reuse, Turn
 from kvturn.gateway.turns.push import PushDispatch
 from kvturn.gateway.turns.reuse import ReuseStep
 from kvturn.gateway.turns.settle import Settlement
@@ -56,7 +57,7 @@ class TurnRunner:
         self.context = TurnContext.create(config, prefill, decode, upstream, store, metrics)
         self.reuse = ReuseStep(self.context)
         self.settlement = Settlement(self.context)
-        self.decoder = Decoder(self.context, self.settlement)
+        self.decoder = Decoder(self.context, self.settlement, resume=self.resume)
         self.dispatch = Dispatch(self.context, self.decoder)
         self.push = PushDispatch(self.context, self.decoder, self.dispatch)
 
@@ -122,6 +123,20 @@ class TurnRunner:
                 if reuse.previous_key is not None:
                     self.context.release_later(reuse.holder, reuse.previous_key)
                 reuse = self.decoder.failed_reuse()
+        return await self._through_pd(turn, taken, reuse, failed)
+
+    async def resume(self, turn: Turn, broken_on: Instance | None) -> Reply:
+        """A broken stream's continuation (:mod:`.migrate`), through P/D on a decode other
+        than the one it broke on: prefill's prefix cache holds the prompt it computed for the
+        turn; the continuation keeps no KV (its conversation's next turn recomputes)."""
+        return await self._through_pd(
+            turn, None, Reuse(TurnPlan("recompute", "migrated")), broken_on
+        )
+
+    async def _through_pd(
+        self, turn: Turn, taken: Taken | None, reuse: Reuse, failed: Instance | None
+    ) -> Reply:
+        """Prefill then decode, once more from scratch if decode fails before replying."""
         if self.context.config.transfer == "push":
             return await self.push.serve(turn, taken, reuse.plan, failed)
         for _ in range(2):
