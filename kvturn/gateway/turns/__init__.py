@@ -12,7 +12,9 @@ fallbacks; it asks
   tokens are counted;
 - :mod:`.dispatch`: P/D with a pull or a recompute, and a turn on one side alone when the
   other has no engine; :mod:`.push`: P/D with prefill writing into decode's blocks;
-- :mod:`.decode`: decode's request and its reply, whole or streamed through :mod:`.relay`;
+- :mod:`.decode`: decode's request and its reply, whole or streamed through :mod:`.relay`,
+  which continues a stream whose decode broke off mid-reply on another engine
+  (:mod:`.migrate`: what was sent, by token ids, and the continuation's shape);
 - :mod:`.settle`: once the reply is over, counting it, recording where its KV now lives and
   freeing what nobody can come back for.
 
