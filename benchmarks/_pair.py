@@ -313,3 +313,59 @@ def cpu_share(leader_pids: list[int], seconds: float) -> float:
     before = group_cpu_seconds(leader_pids)
     time.sleep(seconds)
     return (group_cpu_seconds(leader_pids) - before) / seconds
+
+
+def engine_itl_buckets(urls: list[str]) -> dict[float, float]:
+    """vLLM's own inter-token latency histogram (``vllm:inter_token_latency_seconds``),
+    cumulative counts by upper bound, summed over ``urls``: what the engines measured between
+    the tokens they produced, before any router relays them."""
+    buckets: dict[float, float] = {}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for labels, value in _samples(text, "vllm:inter_token_latency_seconds_bucket").items():
+            bound = labels.split('le="', 1)[1].split('"', 1)[0]
+            le = float("inf") if bound == "+Inf" else float(bound)
+            buckets[le] = buckets.get(le, 0.0) + value
+    return buckets
+
+
+def histogram_quantile(
+    before: dict[float, float], after: dict[float, float], q: float
+) -> float | None:
+    """The ``q`` quantile (seconds) of what a cumulative histogram counted between two
+    scrapes, linear within a bucket as Prometheus's ``histogram_quantile`` does."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return None
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) every live process has used, by its command line's first
+    120 characters: a run's share of the machine by process, from two snapshots."""
+    import psutil
+
+    used: dict[str, float] = {}
+    for process in psutil.process_iter(["cmdline", "cpu_times"]):
+        times = process.info.get("cpu_times")
+        cmdline = " ".join(process.info.get("cmdline") or [])
+        if times is None or not cmdline:
+            continue
+        with contextlib.suppress(psutil.Error):  # an engine's children: under its server's line
+            for parent in process.parents():
+                if "--port" in (line := " ".join(parent.cmdline())):
+                    cmdline = f"{line} <- {cmdline}"
+                    break
+        key = cmdline[:200]
+        used[key] = used.get(key, 0.0) + times.user + times.system
+    return used

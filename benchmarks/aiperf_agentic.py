@@ -79,8 +79,11 @@ from _pair import (
     ROUTER_PORT,
     SESSION_HEADER,
     as_deployed,
+    cpu_seconds,
     engine_counters,
+    engine_itl_buckets,
     gateway_plan_reasons,
+    histogram_quantile,
     interleaved,
     local_pair,
     server,
@@ -374,6 +377,7 @@ def run_workload(
             if not workload.bidirectional:
                 wait_leases_ended(state)
             before = engine_counters(engines)
+            itl_before, cpu_before = engine_itl_buckets(state["decode"]), cpu_seconds()
             reasons_before = gateway_plan_reasons(urls["kvturn"])
             routed_before = routed(mode, urls[mode])
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
@@ -381,6 +385,7 @@ def run_workload(
             result = run_aiperf(workload, mode, urls[mode], state, dataset, run_seed, out)
             wait_idle(engines)
             after = engine_counters(engines)
+            itl_after, cpu_after = engine_itl_buckets(state["decode"]), cpu_seconds()
             reasons_after = gateway_plan_reasons(urls["kvturn"])
             routed_after = routed(mode, urls[mode])
             data = result["aiperf"]
@@ -395,11 +400,24 @@ def run_workload(
                             if v - reasons_before.get(k, 0.0)},
                 "pauses": pauses_taken(out),
                 "routed": {k: v - routed_before.get(k, 0) for k, v in routed_after.items()},
+                # The decode engines' own ITL (vLLM's histogram, its coarse buckets), before
+                # any router relays a token, and the CPU seconds each process took in the run.
+                **{f"engine_itl_{name}": None if (v := histogram_quantile(
+                    itl_before, itl_after, q)) is None else v * 1000
+                   for name, q in (("p50", 0.5), ("p99", 0.99))},
+                "cpu_s": {k: round(v - cpu_before.get(k, 0.0), 1)
+                          for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) >= 1.0},
             }  # fmt: skip
             runs.append(run)
             # Every run on disk as it ends: a run cut short keeps what it measured.
             (work / "runs.json").write_text(json.dumps(runs, indent=1))
             shown_now = [f"{label} {run[key]:.1f}" for label, key in SHOWN if run[key] is not None]
+            shown_now += [
+                f"engine ITL {k} {run[f'engine_itl_{k}']:.1f}"
+                for k in ("p50", "p99")
+                if run[f"engine_itl_{k}"] is not None
+            ]
+            print(f"     cpu {run['cpu_s']}", flush=True)
             print(f"     {', '.join(shown_now)}, errors {run['errors']:.0f}, tokens "
                   f"{run['tokens']}, plans {run['reasons']}", flush=True)  # fmt: skip
         checked = None
