@@ -1,0 +1,256 @@
+"""A decode SIGKILLed under AIPerf's multi-turn load, and started again: no request may fail,
+and no lease may outlive its conversation.
+
+1 prefill + 2 decodes (``kvturn engine``'s engines, started one by one), ``kvturn serve`` in
+front; AIPerf's synthetic multi-turn workload, unmodified: 18 conversations x 8 turns, 6 under
+way at once, 48-token streamed replies (greedy, ``ignore_eos``), the session header set. A run
+in, one decode is SIGKILLed (``--kill-after-s``) while it streams replies, and started again on
+the same ports ``--restart-after-s`` later. The gateway continues every reply that was
+streaming on it on another engine (:mod:`kvturn.gateway.turns.migrate`), serves every turn that
+would have gone there elsewhere, and takes the decode back once it answers its health checks.
+
+Each repeat records AIPerf's requests and errors, the killed decode's running requests at the
+kill (its own ``vllm:num_requests_running``), the gateway's migrations, and, once the leases of
+the last turns have had time to lapse (the gateway's ``--lease-s`` plus a margin), the blocks
+each decode still holds under a lease: a lease nobody will come back for is a leak.
+
+    .venv/bin/python benchmarks/chaos.py [--repeats 3]
+
+Results: ``benchmarks/results/chaos.md`` (and ``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pair import ROOT, SESSION_HEADER, server, shown
+from aiperf_agentic import TOKENIZER_REPO, hf_cache
+from aiperf_multiturn import AIPERF_BIN
+
+from kvturn.gateway.ops.launch.engines import (
+    EngineProcess,
+    KVSettings,
+    plan_specs,
+    start_engines,
+    wait_until_healthy,
+)
+from kvturn.gateway.ops.launch.local_models import ensure_model
+from kvturn.wire import CONTROL_SECRET_ENV
+
+RESULTS = Path(__file__).parent / "results"
+BASE_PORT = 28100
+GATEWAY_PORT = 28000
+MODEL = "tiny"
+#: The gateway's lease: short, so that a leak shows soon after a run.
+LEASE_S = 30
+WORKLOAD = [
+    "--conversation-num", "18", "--num-dataset-entries", "18",
+    "--conversation-turn-mean", "8", "--conversation-turn-stddev", "0",
+    "--conversation-turn-delay-mean", "1000", "--conversation-turn-delay-stddev", "250",
+    "--shared-system-prompt-length", "1000", "--user-context-prompt-length", "1500",
+    "--isl", "300", "--isl-stddev", "0", "--osl", "48", "--osl-stddev", "0",
+    "--concurrency", "6",
+]  # fmt: skip
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {" and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def leased_blocks(control_urls: list[str], secret: str) -> dict[str, int]:
+    auth = {"Authorization": f"Bearer {secret}"}
+    held = {}
+    for url in control_urls:
+        try:
+            response = httpx.get(f"{url}/kvturn/leases", headers=auth, timeout=10)
+            held[url] = int(response.json()["blocks_held"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            held[url] = -1  # not answering
+    return held
+
+
+#: Set once every engine is stopped: the threads that restarted engines end then. (An engine
+#: gets SIGTERM when the thread that started it ends: ``kvturn engine`` asks the kernel for
+#: that, PR_SET_PDEATHSIG, so that a crashed launcher leaves no engine behind.)
+THE_END = threading.Event()
+
+
+def kill_and_restart(
+    victim: list[EngineProcess],
+    log_dir: Path,
+    args: argparse.Namespace,
+    record: dict[str, Any],
+    back: threading.Event,
+) -> None:
+    """SIGKILL the decode ``--kill-after-s`` in, once it streams replies; start it again
+    ``--restart-after-s`` later; note its running requests and when it answered again."""
+    time.sleep(args.kill_after_s)
+    engine = victim[0]
+    deadline = time.monotonic() + 30
+    running = 0.0
+    while time.monotonic() < deadline:
+        running = metric(engine.spec.url, "vllm:num_requests_running")
+        if running > 0:
+            break
+        time.sleep(0.05)
+    record["running_at_kill"] = running
+    assert engine.pid is not None
+    os.killpg(engine.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    engine.stop(grace_s=1)  # reaps it
+    time.sleep(args.restart_after_s)
+    restarted = EngineProcess(
+        engine.spec, log_dir / f"decode-restart-{time.time():.0f}.log"
+    ).start()
+    victim[0] = restarted
+    wait_until_healthy([restarted], timeout_s=600)
+    record["healthy_after_restart_s"] = round(time.monotonic() - killed - args.restart_after_s, 1)
+    back.set()
+    THE_END.wait()
+
+
+def run(
+    repeat: int, args: argparse.Namespace, gateway: str, decodes: list[list[EngineProcess]],
+    controls: list[str], secret: str, work: Path,
+) -> dict[str, Any]:  # fmt: skip
+    out = work / f"run-{repeat}"
+    command = [
+        str(AIPERF_BIN), "profile", "--model", MODEL, "--tokenizer", TOKENIZER_REPO,
+        "--url", gateway, "--endpoint-type", "chat", "--streaming",
+        "--random-seed", str(4000 + repeat), "--extra-inputs", "temperature:0",
+        "--extra-inputs", "ignore_eos:true", "--session-header", SESSION_HEADER,
+        "--use-server-token-count", "--no-server-metrics", "--ui-type", "none",
+        "--artifact-dir", str(out), *WORKLOAD,
+    ]  # fmt: skip
+    before = {
+        outcome: metric(gateway, "kvturn_stream_migrations_total", f'outcome="{outcome}"')
+        for outcome in ("continued", "failed", "impossible")
+    }
+    victim = decodes[repeat % len(decodes)]
+    record: dict[str, Any] = {"repeat": repeat, "killed": victim[0].spec.url}
+    back = threading.Event()
+    chaos = threading.Thread(target=kill_and_restart, args=(victim, work, args, record, back))
+    env = {**os.environ, **hf_cache(Path(args.model_path), work / "hf")}
+    started = time.monotonic()
+    chaos.start()
+    done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=3600, env=env)
+    record["aiperf_s"] = round(time.monotonic() - started, 1)
+    back.wait()
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    data = json.loads(next(out.rglob("profile_export_aiperf.json")).read_text())
+    records = data.get("records", data)
+    record["requests"] = records.get("request_count", {}).get("avg")
+    record["errors"] = (records.get("error_request_count") or {}).get("avg", 0.0)
+    record["error_summary"] = data.get("error_summary") or []
+    record["migrations"] = {
+        outcome: metric(gateway, "kvturn_stream_migrations_total", f'outcome="{outcome}"')
+        - before[outcome]
+        for outcome in before
+    }
+    # The last turns' leases lapse LEASE_S after their replies; a margin for the sweep.
+    time.sleep(LEASE_S + 15)
+    record["leased_blocks_after"] = leased_blocks(controls, secret)
+    record["command"] = shown(tuple(command))
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kill-after-s", type=float, default=25.0)
+    parser.add_argument("--restart-after-s", type=float, default=30.0)
+    args = parser.parse_args()
+    for tool in (AIPERF_BIN,):
+        if not tool.exists():
+            raise SystemExit(f"{tool} is missing: see aiperf_agentic.py's docstring")
+    secret = os.environ.setdefault(CONTROL_SECRET_ENV, secrets.token_urlsafe(32))
+    model = ensure_model(MODEL)
+    args.model_path = str(model)
+    work = Path(tempfile.mkdtemp(prefix="kvturn-chaos-"))
+    specs = plan_specs(
+        model, 1, 2, base_port=BASE_PORT, kv=KVSettings(), served_model_name=MODEL, kv_cache_gb=1
+    )
+    print(f"== starting 1 prefill + 2 decodes (logs in {work})", flush=True)
+    deployment = start_engines(specs, work)
+    decodes = [[engine] for engine in deployment.decode]
+    controls = [f"http://127.0.0.1:{e.spec.control_port}" for e in deployment.decode]
+    serve = [
+        sys.executable, "-m", "kvturn.gateway.ops.cli", "serve", "--port", str(GATEWAY_PORT),
+        "--lease-s", str(LEASE_S),
+        *[a for e in deployment.prefill for a in ("--prefill", e.spec.url)],
+        *[a for e in deployment.decode for a in ("--decode", e.spec.url)],
+        *[a for url in controls for a in ("--decode-control", url)],
+    ]  # fmt: skip
+    gateway = f"http://127.0.0.1:{GATEWAY_PORT}"
+    records = []
+    try:
+        with server(*serve, port=GATEWAY_PORT):
+            for repeat in range(args.repeats):
+                print(f"== repeat {repeat + 1}", flush=True)
+                records.append(run(repeat, args, gateway, decodes, controls, secret, work))
+    finally:
+        for engine in [*deployment.prefill, *(d[0] for d in decodes)]:
+            engine.stop()
+        THE_END.set()
+    date = f"{datetime.now(UTC):%Y-%m-%d %H:%M}"
+    (RESULTS / "chaos.json").write_text(
+        json.dumps(
+            {"date": date, "argv": sys.argv[1:], "gateway": shown(tuple(serve)), "runs": records},
+            indent=1,
+        )
+    )
+    lines = [
+        "# A decode SIGKILLed under AIPerf's multi-turn load, and started again",
+        "",
+        f"Command: `.venv/bin/python benchmarks/chaos.py {' '.join(sys.argv[1:])}`",
+        f"Date: {date}; machine: 2 cores; model: tiny; AIPerf 0.13.0 (unmodified).",
+        "",
+        "1 prefill + 2 decodes (1 GiB of KV each), `kvturn serve` in front (its lease "
+        f"{LEASE_S} s); AIPerf's synthetic multi-turn: 18 conversations x 8 turns, 6 at once, "
+        f"48-token streamed greedy replies. {args.kill_after_s:g} s into each run a decode "
+        "(the two in turn) is SIGKILLed while it streams, and started again "
+        f"{args.restart_after_s:g} s later on the same ports.",
+        "",
+        "| repeat | requests | failed | replies streaming on the decode at the kill | "
+        "continued elsewhere | could not | healthy again (s after restart) | "
+        f"leased blocks {LEASE_S + 15} s after the run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        m = r["migrations"]
+        lines.append(
+            f"| {r['repeat'] + 1} | {r['requests']:.0f} | {r['errors']:.0f} | "
+            f"{r['running_at_kill']:.0f} | {m['continued']:.0f} | "
+            f"{m['failed'] + m['impossible']:.0f} | {r['healthy_after_restart_s']} | "
+            f"{sum(r['leased_blocks_after'].values())} |"
+        )
+    lines += ["", f"Gateway: `{shown(tuple(serve))}`", "", f"AIPerf: `{records[0]['command']}`"]
+    (RESULTS / "chaos.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    sys.exit(main())
