@@ -144,6 +144,10 @@ HEALTH_PATH: Final = "/kvturn/health"
 LEASES_PATH: Final = "/kvturn/leases"
 IDENTITY_PATH: Final = "/kvturn/identity"
 WAKE_PATH: Final = "/kvturn/wake"
+#: An engine about to stop (a Kubernetes ``preStop``) asks to take no new turns (``POST``;
+#: ``DELETE`` calls it off): the gateways see it on :data:`HEALTH_PATH` and send its
+#: conversations' next turns elsewhere, pulling their history from it while it still answers.
+DRAIN_PATH: Final = "/kvturn/drain"
 #: Routes that name a lease (or a push) by its key: templates, ``{key}`` the X-Request-Id.
 RETAINED_ROUTE: Final = "/kvturn/retained/{key}"
 LEASE_ROUTE: Final = LEASES_PATH + "/{key}"
@@ -156,6 +160,7 @@ CONTROL_ROUTES: Final = (
     LEASES_PATH,
     IDENTITY_PATH,
     WAKE_PATH,
+    DRAIN_PATH,
     RETAINED_ROUTE,
     LEASE_ROUTE,
     CLAIM_ROUTE,
@@ -237,9 +242,11 @@ TransferMode = Literal["pull", "push"]
 
 
 class Acknowledged(BaseModel):
-    """Health, and a wake: nothing to say but yes."""
+    """Health, a wake and a drain: yes, and whether the engine is draining (it takes no new
+    turns: :data:`DRAIN_PATH`)."""
 
     ok: bool = True
+    draining: bool = False
 
 
 class ControlError(BaseModel):

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from kvturn.gateway.ops.launch.engines import (
     wait_until_healthy,
 )
 from tests.conftest import TEST_BASE_PORT, TEST_KV_TTL_S, LocalPair
-from tests.engine_requests import long_prompt, single_engine_ids
+from tests.engine_requests import KV_BYTES_PER_TOKEN, NixlReads, long_prompt, single_engine_ids
 from tests.gateway_fixtures import (
     TurnResult,
     metric,
@@ -161,6 +162,45 @@ def test_holder_decode_restarted_between_turns_reads_no_stale_kv(
         assert (second.plan, second.reused_tokens) == ("recompute", 0)
         _assert_same_answer(local_pair, second, messages)
         assert _fallbacks(gateway) == {"kv-gone": 1}
+
+
+def test_a_draining_holder_takes_no_new_turns_and_its_conversations_are_pulled_from_it(
+    local_pair: LocalPair, extra_decode: dict[str, Any]
+) -> None:
+    """A decode asked to drain (its control server's ``/kvturn/drain``, a Kubernetes
+    ``preStop``) still answers: the gateway's health checks see it draining, send it no new
+    turn, and the conversation it holds continues elsewhere by a pull from it (prefill's NIXL
+    reads say so), answering as one engine alone. Called off, it takes turns again."""
+    spec: EngineSpec = extra_decode["spec"]
+    config = replace(_two_decode_config(local_pair, spec), health_interval_s=0.5)
+    control = f"http://127.0.0.1:{spec.control_port}/kvturn/drain"
+    auth = {"Authorization": f"Bearer {local_pair.control_secret}"}
+    with running_gateway(config) as gateway:
+        client = _client(gateway.url)
+        messages = _history("harbour cranes")
+        first = run_turn(client, local_pair.model, messages, "drained")
+        assert wait_recorded(gateway, "drained").holder_url == spec.url
+        assert httpx.post(control, headers=auth).json()["draining"] is True
+        try:
+            deadline = time.monotonic() + 30
+            while spec.url not in httpx.get(gateway.url + "/health").json()["draining"]:
+                assert time.monotonic() < deadline, "the gateway never saw the drain"
+                time.sleep(0.2)
+            reads = NixlReads(local_pair.prefill_url)
+            messages = _next(messages, first, 0)
+            second = run_turn(client, local_pair.model, messages, "drained")
+            assert (second.plan, second.reason) == ("pull-reuse", "holder-draining")
+            reads.wait_for(1, min_bytes=KV_BYTES_PER_TOKEN * 512)
+            _assert_same_answer(local_pair, second, messages)
+            assert wait_recorded(gateway, "drained").holder_url == local_pair.decode_url
+            run_turn(client, local_pair.model, _history("tide gauges"), "new-while-draining")
+            assert wait_recorded(gateway, "new-while-draining").holder_url == local_pair.decode_url
+        finally:
+            httpx.delete(control, headers=auth)
+        deadline = time.monotonic() + 30
+        while spec.url in httpx.get(gateway.url + "/health").json()["draining"]:
+            assert time.monotonic() < deadline, "the drain was never called off"
+            time.sleep(0.2)
 
 
 #: Long enough to be mid-reply when the decode dies (the tiny model: ~15-30 ms a token here).

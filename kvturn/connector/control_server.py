@@ -29,6 +29,7 @@ from kvturn.wire import (
     CLAIM_ROUTE,
     CONTROL_AUTH_HEADER,
     CONTROL_SECRET_ENV,
+    DRAIN_PATH,
     EXPIRES_IN_KEY,
     HEALTH_PATH,
     IDENTITY_PATH,
@@ -105,6 +106,8 @@ class ControlServer:
         self.leases = leases
         #: Push mode, decode: a :class:`~kvturn.connector.push.PushArrivals`.
         self.pushes: Any = None
+        #: Set by a drain (:data:`~kvturn.wire.DRAIN_PATH`): the engine takes no new turns.
+        self.draining = threading.Event()
         handler = _make_handler(
             leases,
             secret.encode() if secret else None,
@@ -112,6 +115,7 @@ class ControlServer:
             identity,
             lambda: self.pushes,
             on_expect,
+            self.draining,
         )
         self._httpd = _BoundedServer((host, port), handler)
         self._httpd.daemon_threads = True
@@ -174,6 +178,7 @@ def _make_handler(
     identity: EngineIdentity | None,
     pushes: Callable[[], Any],
     on_expect: Callable[[float], None] | None,
+    draining: threading.Event,
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -187,7 +192,7 @@ def _make_handler(
         def do_GET(self) -> None:
             route, key, query = match_control_route(self.path)
             if route == HEALTH_PATH:
-                self._send(200, Acknowledged())
+                self._send(200, Acknowledged(draining=draining.is_set()))
             elif not self._authorized():
                 return
             elif route == LEASES_PATH:
@@ -227,6 +232,11 @@ def _make_handler(
                 if on_expect is not None and within_ms is not None:
                     on_expect(within_ms / 1000)
                 self._send(200, Acknowledged())
+            elif route == DRAIN_PATH:
+                if not draining.is_set():
+                    logger.warning("kvturn: draining: the gateways send this engine no new turns")
+                draining.set()
+                self._send(200, Acknowledged(draining=True))
             elif route == CLAIM_ROUTE and key is not None:
                 self._answer(key, leases.claim(key))
             elif route == RENEW_ROUTE and key is not None:
@@ -255,6 +265,9 @@ def _make_handler(
             if route == LEASE_ROUTE and key is not None:
                 released = leases.release(key, end_claim=claimed_flag(query))
                 self._send(200, LeaseReleased(released=released))
+            elif route == DRAIN_PATH:  # a drain called off: it takes turns again
+                draining.clear()
+                self._send(200, Acknowledged(draining=False))
             else:
                 self._send(404, ControlError(error="not found"))
 

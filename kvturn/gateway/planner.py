@@ -42,7 +42,8 @@ class TurnPlan:
     #: ``kv-gone``, ``pull-failed``, ``no-common-prefix``, ``decode-failed``,
     #: ``cache-salt-changed``, ``prefill-cached`` (a planned pull read nothing: prefill's own
     #: prefix cache already held what the lease did).
-    #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``history-edited``,
+    #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``holder-draining``,
+    #: ``history-edited``,
     #: ``suffix-too-long``, ``holder-busy``, ``streams-budget``, ``cheaper``. ``decode-local``:
     #: ``cheaper``;
     #: ``fork`` and ``parallel`` (the prompt starts with KV another turn holds or took, read

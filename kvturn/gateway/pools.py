@@ -25,6 +25,9 @@ class Instance:
     url: str
     control_url: str | None = None
     healthy: bool = True
+    #: Its control server says it is draining (about to stop): it takes no new turns, and the
+    #: conversations it holds are pulled from it while it still answers.
+    draining: bool = False
     in_flight: int = 0
     host: str = field(init=False)
     #: Learned from what a decode's connector publishes: its KV block size (tokens) and the
@@ -62,14 +65,17 @@ class Pool:
         return self._by_url.get(url) if url else None
 
     def healthy(self) -> list[Instance]:
-        return [i for i in self.instances if i.healthy]
+        """The instances that take new turns: answering, and not draining."""
+        return [i for i in self.instances if i.healthy and not i.draining]
 
     def choose(
         self, prefer: str | None = None, exclude: Instance | None = None, slack: int = 0
     ) -> Instance:
         """The least loaded healthy instance, or ``prefer`` while it serves at most ``slack``
         requests more than that one."""
-        candidates = [i for i in self.instances if i.healthy and i is not exclude]
+        candidates = [
+            i for i in self.instances if i.healthy and not i.draining and i is not exclude
+        ]
         if not candidates:
             raise NoHealthyEngine(f"no healthy {self.role} engine")
         preferred = self._by_url.get(prefer) if prefer else None
@@ -94,12 +100,24 @@ class Pool:
 async def check_health_forever(
     pools: Sequence[Pool], upstream: Upstream, interval_s: float
 ) -> None:
-    """Poll every instance's ``/health``; drop the silent ones, re-admit those that answer."""
+    """Poll every instance's ``/health``; drop the silent ones, re-admit those that answer;
+    and ask those with a control server whether they are draining."""
     while True:
         instances = [i for pool in pools for i in pool.instances]
         results = await asyncio.gather(
             *(upstream.is_healthy(i.url) for i in instances), return_exceptions=True
         )
+        controlled = [i for i in instances if i.control_url is not None]
+        drains = await asyncio.gather(
+            *(upstream.is_draining(i.control_url) for i in controlled if i.control_url),
+            return_exceptions=True,
+        )
+        for instance, draining in zip(controlled, drains, strict=True):
+            if isinstance(draining, bool) and draining != instance.draining:
+                logger.warning(
+                    "engine %s is %s", instance.url, "draining" if draining else "taking turns"
+                )
+                instance.draining = draining
         for instance, ok in zip(instances, results, strict=True):
             if ok is None:
                 continue  # not known (see Upstream.is_healthy): as it was

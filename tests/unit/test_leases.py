@@ -269,7 +269,20 @@ def test_control_channel_needs_the_secret(control: tuple[LeaseTable, str]) -> No
         assert httpx.get(f"{base}/identity", headers=headers).status_code == 401
     lease = table.get("r1")
     assert lease is not None and lease.expires_at == before and lease.claimed_until == 0
-    assert httpx.get(f"{base}/health").json() == {"ok": True}
+    assert httpx.get(f"{base}/health").json() == {"ok": True, "draining": False}
+
+
+def test_a_drain_is_asked_with_the_secret_shown_on_health_and_can_be_called_off(
+    control: tuple[LeaseTable, str],
+) -> None:
+    _, base = control
+    auth = {"Authorization": "Bearer s3cret"}
+    assert httpx.post(f"{base}/drain").status_code == 401  # anyone else changes nothing
+    assert httpx.get(f"{base}/health").json()["draining"] is False
+    assert httpx.post(f"{base}/drain", headers=auth).json() == {"ok": True, "draining": True}
+    assert httpx.get(f"{base}/health").json() == {"ok": True, "draining": True}
+    assert httpx.delete(f"{base}/drain", headers=auth).json()["draining"] is False
+    assert httpx.get(f"{base}/health").json()["draining"] is False
 
 
 def test_the_control_server_reads_no_body_before_the_secret(
@@ -334,7 +347,7 @@ def test_the_control_server_bounds_its_connections(monkeypatch: pytest.MonkeyPat
             assert conn.recv(10) == b""
             conn.close()
         health = httpx.get(f"http://127.0.0.1:{server.port}/kvturn/health", timeout=3)
-        assert health.json() == {"ok": True}
+        assert health.json() == {"ok": True, "draining": False}
     finally:
         server.stop()
 
@@ -473,9 +486,15 @@ def test_a_wake_that_says_when_the_request_arrives_is_passed_on() -> None:
     ).start()
     try:
         base = f"http://127.0.0.1:{server.port}/kvturn"
-        assert httpx.post(f"{base}/wake").json() == {"ok": True}
-        assert httpx.post(f"{base}/wake", json={"within_ms": 50}).json() == {"ok": True}
-        assert httpx.post(f"{base}/wake", json={"within_ms": "soon"}).json() == {"ok": True}
+        assert httpx.post(f"{base}/wake").json() == {"ok": True, "draining": False}
+        assert httpx.post(f"{base}/wake", json={"within_ms": 50}).json() == {
+            "ok": True,
+            "draining": False,
+        }
+        assert httpx.post(f"{base}/wake", json={"within_ms": "soon"}).json() == {
+            "ok": True,
+            "draining": False,
+        }
     finally:
         server.stop()
     assert woken == ["wake"] * 3 and expected == [0.05]

@@ -76,3 +76,39 @@ async def test_health_checks_drop_and_readmit() -> None:
     await asyncio.sleep(0.05)
     assert [i.healthy for i in pool.instances] == [True, True]
     task.cancel()
+
+
+class DrainingUpstream(FlakyUpstream):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = set()
+        self.draining: set[str] = set()
+
+    async def is_draining(self, control_url: str) -> bool | None:
+        return None if control_url == "http://unknown-control" else control_url in self.draining
+
+
+async def test_a_draining_engine_takes_no_new_turns_until_the_drain_is_called_off() -> None:
+    pool = Pool(
+        "decode",
+        endpoints(
+            ["http://a", "http://b", "http://c"],
+            ["http://a-control", "http://b-control", "http://unknown-control"],
+        ),
+    )
+    a, b, c = pool.instances
+    upstream = DrainingUpstream()
+    upstream.draining = {"http://a-control"}
+    task = asyncio.create_task(check_health_forever([pool], upstream, 0.01))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    assert [i.draining for i in pool.instances] == [True, False, False]
+    assert a.healthy  # it answers: the history it holds can still be read from it
+    assert pool.healthy() == [b, c]
+    assert pool.choose(prefer="http://a") is b  # its own conversations go elsewhere
+    b.healthy = c.healthy = False
+    with pytest.raises(NoHealthyEngine):
+        pool.choose()
+    upstream.draining = set()
+    await asyncio.sleep(0.05)
+    assert pool.choose() is a
+    task.cancel()

@@ -49,6 +49,10 @@ async def health(request: Request) -> Response:
         "ok": prefill and decode,
         "prefill": {i.url: i.healthy for i in gateway.prefill.instances},
         "decode": {i.url: i.healthy for i in gateway.decode.instances},
+        # Engines about to stop: answering, taking no new turns (kvturn.wire.DRAIN_PATH).
+        "draining": [
+            i.url for p in (gateway.prefill, gateway.decode) for i in p.instances if i.draining
+        ],
     }
     return JSONResponse(body, status_code=200 if prefill or decode else 503)
 
@@ -89,6 +93,7 @@ async def _status(gateway: Gateway) -> Rendered:
                 "role": role,
                 "url": instance.url,
                 "healthy": instance.healthy,
+                "draining": instance.draining,
                 "in_flight": instance.in_flight,
             }
             if role == "decode" and instance.control_url is not None:

@@ -12,6 +12,7 @@ import orjson
 
 from kvturn.gateway.http.client import HttpClient, HttpError, Response, StreamResponse
 from kvturn.gateway.http.pool import LocalResourceError
+from kvturn.wire import HEALTH_PATH as CONTROL_HEALTH_PATH
 
 logger = logging.getLogger("kvturn.gateway")
 
@@ -118,6 +119,17 @@ class Upstream:
             return (await self.get(f"{url}/health", timeout_s=2.0)).status == 200
         except UpstreamUnavailable as error:
             return None if error.local else False
+
+    async def is_draining(self, control_url: str) -> bool | None:
+        """Whether an engine's kvturn control server says it is draining (it takes no new
+        turns: :data:`~kvturn.wire.DRAIN_PATH`); ``None``: not known."""
+        try:
+            response = await self.get(f"{control_url}{CONTROL_HEALTH_PATH}", timeout_s=2.0)
+        except UpstreamUnavailable:
+            return None
+        if response.status != 200:
+            return None
+        return bool(response.json().get("draining"))
 
     async def open_stream(
         self, url: str, body: Any, headers: Mapping[str, str] | None = None

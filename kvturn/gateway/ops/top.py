@@ -89,6 +89,8 @@ class Snapshot:
     releases: float = 0.0
     #: ``/health``: engine URL → healthy, by role; empty if it did not answer.
     health: dict[str, dict[str, bool]] = field(default_factory=dict)
+    #: ``/health``'s engines that are draining (answering, taking no new turns).
+    draining: set[str] = field(default_factory=set)
     #: ``/kvturn/status``'s JSON, when the gateway serves it.
     status: Any = None
 
@@ -171,7 +173,8 @@ class Source:
                 role: {str(k): bool(v) for k, v in health.get(role, {}).items()}
                 for role in ("prefill", "decode")
             }
-        except (httpx.HTTPError, ValueError, AttributeError):
+            snap.draining = {str(url) for url in health.get("draining") or ()}
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError):
             snap.health = {}
         if self.status_route:
             try:
@@ -272,6 +275,8 @@ def view(snap: Snapshot, previous: Snapshot | None, source: str = "") -> Any:
         for url in urls:
             healthy = snap.health.get(role, {}).get(url)
             mark = {True: "[green]up[/]", False: "[red]DOWN[/]", None: "?"}[healthy]
+            if healthy and url in snap.draining:
+                mark = "[yellow]draining[/]"
             leases = _num(snap.decode_leases.get(url)) if role == "decode" else ""
             blocks = _num(snap.decode_lease_blocks.get(url)) if role == "decode" else ""
             busy = _num(in_flight.get(url)) if in_flight else "-"

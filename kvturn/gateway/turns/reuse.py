@@ -213,6 +213,9 @@ class ReuseStep:
         ``decode-local`` (:mod:`kvturn.gateway.extension`); and the prompt's length (0: not
         counted)."""
         limits = self.context.limits
+        if holder.draining:
+            # It takes no new turns; prefill reads the history from it while it answers.
+            return TurnPlan("pull-reuse", "holder-draining"), 0, None
         if not limits.enabled:
             return TurnPlan("pull-reuse", "local-off"), 0, None
         if holder.in_flight >= limits.max_running:

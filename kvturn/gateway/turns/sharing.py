@@ -101,7 +101,7 @@ class Sharing:
         ``None``: the turn is planned as if there were no source."""
         holder = self.context.decode.get(source.holder_url)
         limits = self.context.limits
-        if holder is None or not holder.healthy or not limits.enabled:
+        if holder is None or not holder.healthy or holder.draining or not limits.enabled:
             return None
         now = self.context.store.clock()
         if source.expires_at and now + self.context.config.expiry_margin_s >= source.expires_at:
