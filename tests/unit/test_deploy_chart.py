@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Iterator
 from itertools import pairwise
@@ -487,6 +488,37 @@ SCHEMA_ERRORS = [
     ({"engine": {"rdma": {"capabilities": ["ipc_lock"]}}}, "/engine/rdma/capabilities/0"),
     ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
 ]
+
+
+def test_a_decode_pod_drains_before_it_stops(
+    chart: helm_python.Chart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode's preStop asks its control server to drain, with the control secret, and
+    waits ``decode.drainSeconds``; the pod's grace period covers that and vLLM's shutdown.
+    The hook's command is run here against a real control server: it must drain it."""
+    from kvturn.connector.control_server import ControlServer
+    from kvturn.connector.leases import LeaseTable
+
+    rendered = Rendered(chart, {"decode": {"drainSeconds": 45}}, "default")
+    decode = rendered.one("StatefulSet", "decode")
+    assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
+    command = _container(decode)["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[-2:] == [str(_port(_container(decode), "kvturn-control")), "45"]
+    prefill = rendered.one("StatefulSet", "prefill")
+    assert "lifecycle" not in _container(prefill)
+    undrained = Rendered(chart, {"decode": {"drainSeconds": 0}}, "default")
+    assert "lifecycle" not in _container(undrained.one("StatefulSet", "decode"))
+
+    server = ControlServer(
+        LeaseTable(time.monotonic, max_lease_s=60), "127.0.0.1", 0, secret="s3cret"
+    ).start()
+    try:
+        hook = [sys.executable, *command[1:-2], str(server.port), "0"]
+        env = {**os.environ, "KVTURN_CONTROL_SECRET": "s3cret"}
+        subprocess.run(hook, env=env, check=True, timeout=30)
+        assert server.draining.is_set()
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(("values", "message"), RENDER_ERRORS)
