@@ -47,7 +47,10 @@ def server(
     preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """``command`` running (from the repository root) until the block ends, once it answers
-    ``/health`` (or, not ``http``, once it accepts connections); yields its process."""
+    ``/health`` (or, not ``http``, once it accepts connections); yields its process. The port
+    must be free first: a process left on it by an interrupted run would answer in its place."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        raise RuntimeError(f"port {port} is taken: another process would answer for {command[0]}")
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
             command,
