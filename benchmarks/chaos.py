@@ -22,10 +22,12 @@ Results: ``benchmarks/results/chaos.md`` (and ``.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -128,6 +130,63 @@ def kill_and_restart(
     THE_END.wait()
 
 
+def drain_and_stop(
+    victim: list[EngineProcess],
+    log_dir: Path,
+    args: argparse.Namespace,
+    record: dict[str, Any],
+    back: threading.Event,
+    gateway: str,
+    secret: str,
+) -> None:
+    """``--drain``: ask the decode to drain ``--kill-after-s`` in (a Kubernetes ``preStop``),
+    SIGTERM it ``--grace-s`` later (vLLM aborts what it still runs), start it again
+    ``--restart-after-s`` after that. Note the leases it held when asked and the gateway's
+    plan reasons from then on."""
+    time.sleep(args.kill_after_s)
+    engine = victim[0]
+    control = f"http://127.0.0.1:{engine.spec.control_port}"
+    record["leases_at_drain"] = leased_blocks([control], secret)[control]
+    record["running_at_kill"] = metric(engine.spec.url, "vllm:num_requests_running")
+    record["reasons_before"] = plan_reasons(gateway)
+    record["handoffs_before"] = handoffs(gateway)
+    auth = {"Authorization": f"Bearer {secret}"}
+    httpx.post(f"{control}/kvturn/drain", headers=auth, timeout=10).raise_for_status()
+    time.sleep(args.grace_s)
+    record["running_at_stop"] = metric(engine.spec.url, "vllm:num_requests_running")
+    engine.stop(grace_s=15)
+    stopped = time.monotonic()
+    time.sleep(args.restart_after_s)
+    restarted = EngineProcess(
+        engine.spec, log_dir / f"decode-restart-{time.time():.0f}.log"
+    ).start()
+    victim[0] = restarted
+    wait_until_healthy([restarted], timeout_s=600)
+    record["healthy_after_restart_s"] = round(time.monotonic() - stopped - args.restart_after_s, 1)
+    back.set()
+    THE_END.wait()
+
+
+def handoffs(gateway: str) -> dict[str, float]:
+    """The gateway's drain handoffs so far, by outcome (pulled, cached, lost)."""
+    return {
+        outcome: metric(gateway, "kvturn_drain_handoffs_total", f'outcome="{outcome}"')
+        for outcome in ("pulled", "cached", "lost")
+    }
+
+
+def plan_reasons(gateway: str) -> dict[str, float]:
+    """The gateway's turns so far by ``plan/reason``."""
+    found: dict[str, float] = {}
+    for line in httpx.get(gateway + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("kvturn_turn_plans_total{"):
+            labels, value = line.rsplit(" ", 1)
+            plan = labels.split('plan="', 1)[1].split('"', 1)[0]
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            found[f"{plan}/{reason}"] = float(value)
+    return found
+
+
 def run(
     repeat: int, args: argparse.Namespace, gateway: str, decodes: list[list[EngineProcess]],
     controls: list[str], secret: str, work: Path,
@@ -148,7 +207,12 @@ def run(
     victim = decodes[repeat % len(decodes)]
     record: dict[str, Any] = {"repeat": repeat, "killed": victim[0].spec.url}
     back = threading.Event()
-    chaos = threading.Thread(target=kill_and_restart, args=(victim, work, args, record, back))
+    if args.drain:
+        chaos = threading.Thread(
+            target=drain_and_stop, args=(victim, work, args, record, back, gateway, secret)
+        )
+    else:
+        chaos = threading.Thread(target=kill_and_restart, args=(victim, work, args, record, back))
     env = {**os.environ, **hf_cache(Path(args.model_path), work / "hf")}
     started = time.monotonic()
     chaos.start()
@@ -167,6 +231,16 @@ def run(
         - before[outcome]
         for outcome in before
     }
+    if args.drain:
+        record["handoffs"] = {
+            k: v - record["handoffs_before"][k] for k, v in handoffs(gateway).items()
+        }
+        after = plan_reasons(gateway)
+        record["reasons_since_drain"] = {
+            k: v - record["reasons_before"].get(k, 0.0)
+            for k, v in after.items()
+            if v - record["reasons_before"].get(k, 0.0)
+        }
     # The last turns' leases lapse LEASE_S after their replies; a margin for the sweep.
     time.sleep(LEASE_S + 15)
     record["leased_blocks_after"] = leased_blocks(controls, secret)
@@ -180,6 +254,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kill-after-s", type=float, default=25.0)
     parser.add_argument("--restart-after-s", type=float, default=30.0)
+    parser.add_argument(
+        "--drain", action="store_true",
+        help="drain the decode (its control server's /kvturn/drain) instead of killing it, "
+        "then SIGTERM it --grace-s later",
+    )  # fmt: skip
+    parser.add_argument("--grace-s", type=float, default=20.0)
     args = parser.parse_args()
     for tool in (AIPERF_BIN,):
         if not tool.exists():
@@ -191,6 +271,9 @@ def main() -> int:
     specs = plan_specs(
         model, 1, 2, base_port=BASE_PORT, kv=KVSettings(), served_model_name=MODEL, kv_cache_gb=1
     )
+    for port in (GATEWAY_PORT, *(p for spec in specs for p in (spec.port, spec.control_port) if p)):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            raise SystemExit(f"port {port} is taken (a process left by an interrupted run?)")
     print(f"== starting 1 prefill + 2 decodes (logs in {work})", flush=True)
     deployment = start_engines(specs, work)
     decodes = [[engine] for engine in deployment.decode]
@@ -214,41 +297,83 @@ def main() -> int:
             engine.stop()
         THE_END.set()
     date = f"{datetime.now(UTC):%Y-%m-%d %H:%M}"
-    (RESULTS / "chaos.json").write_text(
+    stem = "chaos_drain" if args.drain else "chaos"
+    (RESULTS / f"{stem}.json").write_text(
         json.dumps(
             {"date": date, "argv": sys.argv[1:], "gateway": shown(tuple(serve)), "runs": records},
             indent=1,
         )
     )
+    lines = report(records, args, date, shown(tuple(serve)))
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def report(
+    records: list[dict[str, Any]], args: argparse.Namespace, date: str, serve: str
+) -> list[str]:
+    what = (
+        f"{args.kill_after_s:g} s into each run a decode (the two in turn) is asked to drain "
+        f"(`POST /kvturn/drain` on its control server, as the chart's preStop does), SIGTERMed "
+        f"{args.grace_s:g} s later (vLLM aborts what it still runs), and started again "
+        f"{args.restart_after_s:g} s after that."
+        if args.drain
+        else f"{args.kill_after_s:g} s into each run a decode (the two in turn) is SIGKILLed "
+        f"while it streams, and started again {args.restart_after_s:g} s later on the same ports."
+    )
+    title = "drained" if args.drain else "SIGKILLed"
     lines = [
-        "# A decode SIGKILLed under AIPerf's multi-turn load, and started again",
+        f"# A decode {title} under AIPerf's multi-turn load, and started again",
         "",
         f"Command: `.venv/bin/python benchmarks/chaos.py {' '.join(sys.argv[1:])}`",
         f"Date: {date}; machine: 2 cores; model: tiny; AIPerf 0.13.0 (unmodified).",
         "",
         "1 prefill + 2 decodes (1 GiB of KV each), `kvturn serve` in front (its lease "
         f"{LEASE_S} s); AIPerf's synthetic multi-turn: 18 conversations x 8 turns, 6 at once, "
-        f"48-token streamed greedy replies. {args.kill_after_s:g} s into each run a decode "
-        "(the two in turn) is SIGKILLed while it streams, and started again "
-        f"{args.restart_after_s:g} s later on the same ports.",
+        f"48-token streamed greedy replies. {what}",
         "",
-        "| repeat | requests | failed | replies streaming on the decode at the kill | "
-        "continued elsewhere | could not | healthy again (s after restart) | "
-        f"leased blocks {LEASE_S + 15} s after the run |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in records:
-        m = r["migrations"]
-        lines.append(
-            f"| {r['repeat'] + 1} | {r['requests']:.0f} | {r['errors']:.0f} | "
-            f"{r['running_at_kill']:.0f} | {m['continued']:.0f} | "
-            f"{m['failed'] + m['impossible']:.0f} | {r['healthy_after_restart_s']} | "
-            f"{sum(r['leased_blocks_after'].values())} |"
-        )
-    lines += ["", f"Gateway: `{shown(tuple(serve))}`", "", f"AIPerf: `{records[0]['command']}`"]
-    (RESULTS / "chaos.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    if args.drain:
+        lines += [
+            "Next turns of the conversations the drained decode held, as the gateway counted "
+            "them (`kvturn_drain_handoffs_total`): pulled from it while it answered, found in "
+            "prefill's prefix cache already (nothing to pull: reused all the same), or lost "
+            "(it had stopped, or their KV was gone: recomputed).",
+            "",
+            "| repeat | requests | failed | replies running at the drain / at the SIGTERM | "
+            "continued elsewhere | leased blocks at the drain | next turns pulled | cached | "
+            "lost | reused | healthy again (s after restart) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in records:
+            h = r["handoffs"]
+            reused = h["pulled"] + h["cached"]
+            share = f"{reused / (reused + h['lost']):.0%}" if reused + h["lost"] else "-"
+            lines.append(
+                f"| {r['repeat'] + 1} | {r['requests']:.0f} | {r['errors']:.0f} | "
+                f"{r['running_at_kill']:.0f} / {r['running_at_stop']:.0f} | "
+                f"{r['migrations']['continued']:.0f} | {r['leases_at_drain']} | "
+                f"{h['pulled']:.0f} | {h['cached']:.0f} | {h['lost']:.0f} | {share} | "
+                f"{r['healthy_after_restart_s']} |"
+            )
+    else:
+        lines += [
+            "| repeat | requests | failed | replies streaming on the decode at the kill | "
+            "continued elsewhere | could not | healthy again (s after restart) | "
+            f"leased blocks {LEASE_S + 15} s after the run |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in records:
+            m = r["migrations"]
+            lines.append(
+                f"| {r['repeat'] + 1} | {r['requests']:.0f} | {r['errors']:.0f} | "
+                f"{r['running_at_kill']:.0f} | {m['continued']:.0f} | "
+                f"{m['failed'] + m['impossible']:.0f} | {r['healthy_after_restart_s']} | "
+                f"{sum(r['leased_blocks_after'].values())} |"
+            )
+    lines += ["", f"Gateway: `{serve}`", "", f"AIPerf: `{records[0]['command']}`"]
+    return lines
 
 
 if __name__ == "__main__":

@@ -191,6 +191,8 @@ def test_a_draining_holder_takes_no_new_turns_and_its_conversations_are_pulled_f
             second = run_turn(client, local_pair.model, messages, "drained")
             assert (second.plan, second.reason) == ("pull-reuse", "holder-draining")
             reads.wait_for(1, min_bytes=KV_BYTES_PER_TOKEN * 512)
+            handoffs = 'kvturn_drain_handoffs_total{outcome="pulled"}'
+            assert metric(gateway.url + "/metrics", handoffs) == 1
             _assert_same_answer(local_pair, second, messages)
             assert wait_recorded(gateway, "drained").holder_url == local_pair.decode_url
             run_turn(client, local_pair.model, _history("tide gauges"), "new-while-draining")

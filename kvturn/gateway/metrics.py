@@ -132,6 +132,13 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "kvturn_upstream_errors", "Engine requests that failed, by role", ["role"], registry=r
         )
+        self.drain_handoffs = Counter(
+            "kvturn_drain_handoffs",
+            "Next turns of conversations a draining decode held: pulled (from it), cached (in "
+            "prefill's prefix cache already: nothing to pull), or lost (it had stopped, or its "
+            "KV was gone: recomputed)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.migrations = Counter(
             "kvturn_stream_migrations",
             "Streams whose decode broke off mid-reply: continued on another engine, failed to "
@@ -151,6 +158,7 @@ class GatewayMetrics:
         self.pauses_by = _ByLabel(self.pauses)
         self.upstream_errors_by = _ByLabel(self.upstream_errors)
         self.migrations_by = _ByLabel(self.migrations)
+        self.drain_handoffs_by = _ByLabel(self.drain_handoffs)
         self.lease_renewals_by = _ByLabel(self.lease_renewals)
 
     def render(self) -> bytes:

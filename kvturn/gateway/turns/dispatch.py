@@ -107,6 +107,9 @@ class Dispatch:
         self.context.costs.observe_prefill(
             instance.url, prompt_tokens - reused, pulled, finished - started
         )
+        if reuse.plan.reason == "holder-draining":
+            outcome = "lost" if not plan.pulls else "pulled" if pulled else "cached"
+            self.context.metrics.drain_handoffs_by[outcome].inc()
         if plan.pulls and pulled == 0:
             # Nothing was read: the prompt shares no verified prefix with the lease, or
             # prefill's own cache already held what the lease did. Its claim is freed now, not

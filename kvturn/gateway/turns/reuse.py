@@ -162,6 +162,8 @@ class ReuseStep:
             return Reuse(plan)
         if not plan.pulls:
             # This turn recomputes: the old lease can never be read again.
+            if holder.draining:
+                self.context.metrics.drain_handoffs_by["lost"].inc()
             self.context.release_later(holder, key)
             self.context.metrics.fallbacks_by[plan.reason].inc()
             return Reuse(plan)
@@ -195,6 +197,8 @@ class ReuseStep:
         outcome = await self.context.leases.claim(holder.control_url, key)
         if outcome.params is None or not self.usable(outcome.params):
             plan = TurnPlan("recompute", GONE_REASONS.get(outcome.reason, "kv-gone"))
+            if holder.draining:
+                self.context.metrics.drain_handoffs_by["lost"].inc()
             if outcome.params is not None:
                 self.context.release_later(holder, key, claimed=True)
             self.context.metrics.fallbacks_by[plan.reason].inc()
