@@ -272,6 +272,7 @@ def test_wire_values_never_change() -> None:
         "LEASES_PATH": "/kvturn/leases",
         "IDENTITY_PATH": "/kvturn/identity",
         "WAKE_PATH": "/kvturn/wake",
+        "DRAIN_PATH": "/kvturn/drain",
         "RETAINED_ROUTE": "/kvturn/retained/{key}",
         "LEASE_ROUTE": "/kvturn/leases/{key}",
         "CLAIM_ROUTE": "/kvturn/leases/{key}/claim",

@@ -70,7 +70,9 @@ def test_the_ledger_records_ids_and_text_and_strips_what_the_client_did_not_ask(
     assert not broke1 and not broke2
     sent = payloads(out1 + out2)
     assert [p["choices"][0]["delta"].get("content") for p in sent] == ["", "He", "llo"]
-    assert all("prompt_token_ids" not in p and "token_ids" not in p["choices"][0] for p in sent)
+    # The fields vLLM sends a client that did not ask for ids, null.
+    assert sent[0]["prompt_token_ids"] is None
+    assert all(p["choices"][0]["token_ids"] is None for p in sent)
     assert (ledger.prompt_ids, ledger.reply_ids, "".join(ledger.text)) == (
         [1, 2, 3],
         [10, 11, 12],
@@ -96,7 +98,16 @@ def test_a_completion_stream_carries_its_prompt_ids_in_its_choice() -> None:
     out, _ = ledger.feed(event({"id": "cmpl-1", "object": "text_completion", "choices": [choice]}))
     assert (ledger.prompt_ids, ledger.reply_ids) == ([1, 2], [9])
     (sent,) = payloads(out)
-    assert sent["choices"][0] == {"index": 0, "text": "a"}
+    assert sent["choices"][0] == {
+        "index": 0,
+        "text": "a",
+        "prompt_token_ids": None,
+        "token_ids": None,
+    }
+    # An empty completion chunk goes out all the same: vLLM sends those without ids too.
+    empty = {"index": 0, "text": "", "prompt_token_ids": None, "token_ids": [10]}
+    out, _ = ledger.feed(event({"id": "cmpl-1", "object": "text_completion", "choices": [empty]}))
+    assert payloads(out)[0]["choices"][0]["text"] == ""
 
 
 def test_a_client_that_asked_for_ids_gets_the_chunks_as_they_came() -> None:

@@ -19,7 +19,10 @@ output, tools the model may call (the engine's tool parser holds state no contin
 shares), presence or frequency penalties (they count the reply so far, which a continuation
 sees as prompt), completion ``echo``/``suffix``. A stop string that would span the seam is not
 seen. Text the engine held back (an incomplete character) is recovered at the seam by
-detokenizing the ids sent.
+detokenizing the ids sent. The ids are exact; the text is the engine's rendering of them, and
+where the reply so far is bytes that are not valid UTF-8 (a model emitting U+FFFD), vLLM's
+detokenizer (tokenizers' ``DecodeStream``, primed with the whole prompt) may render the
+characters after the seam differently from an uninterrupted stream.
 """
 
 from __future__ import annotations
@@ -173,12 +176,17 @@ class Ledger:
             said = said or any(v for k, v in (choice.get("delta") or {}).items() if k != "content")
         if self.client_ids:
             return event + b"\n\n"
-        payload.pop("prompt_token_ids", None)
-        for choice in payload.get("choices") or ():
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-        if not said and self.prompt_ids is not None and prompt_ids is None:
-            return b""  # a chunk only for its token ids: the client did not ask for them
+        # As vLLM answers a request that did not ask for ids: the same fields, null.
+        if "prompt_token_ids" in payload:
+            payload["prompt_token_ids"] = None
+        choices = payload.get("choices") or ()
+        for choice in choices:
+            for key in ("token_ids", "prompt_token_ids"):
+                if key in choice:
+                    choice[key] = None
+        only_ids = all(c.get("delta") == {} and c.get("logprobs") is None for c in choices)
+        if self.chat and choices and not said and prompt_ids is None and only_ids:
+            return b""  # a chunk only for its ids: vLLM sends none without them
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     @property
@@ -289,8 +297,7 @@ class Seam:
                 shaped["text"] = text
             if finish and choice.get("stop_reason") is not None:
                 shaped["stop_reason"] = choice["stop_reason"]
-            if ledger.client_ids:
-                shaped["token_ids"] = ids
+            shaped["token_ids"] = ids if ledger.client_ids else None  # as vLLM sends it
             choices.append(shaped)
         return self._event({**shape, "choices": choices}) if choices else b""
 

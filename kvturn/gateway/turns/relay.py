@@ -174,12 +174,13 @@ class Relay:
                 self.collector.feed(chunk)
         return chunk
 
-    def _broke(self, why: str) -> bytes:
+    def _broke(self, why: str, counted: bool = False) -> bytes:
         """Too late to retry the turn, and no engine to continue it on: tell the client the
         OpenAI way (the SDK raises an APIError for an error event) rather than cutting the
-        connection."""
+        connection. ``counted``: the decode's failure is counted already."""
         logger.warning("decode's stream broke off: %s", why)
-        self.settlement.context.metrics.upstream_errors_by["decode"].inc()
+        if not counted:
+            self.settlement.context.metrics.upstream_errors_by["decode"].inc()
         self.broken = True
         return STREAM_BROKE
 
@@ -218,7 +219,7 @@ class Relay:
                             continue
             why, unreachable = failure
             if not await self._migrate(migration, why, unreachable):
-                return self._broke(why)
+                return self._broke(why, counted=True)
             held = await migration.held_text()
             if held:
                 return migration.seam.text_event(held)
@@ -226,6 +227,7 @@ class Relay:
     async def _migrate(self, migration: Migration, why: str, unreachable: bool) -> bool:
         """Continue the reply on another engine; whether it does."""
         context = self.settlement.context
+        context.metrics.upstream_errors_by["decode"].inc()
         broken_on = self.continued_on or self.instance
         if unreachable:
             broken_on.healthy = False  # health checks bring it back once it answers
@@ -237,7 +239,6 @@ class Relay:
             "decode's stream broke off on %s (%s) after %d tokens: continuing on another engine",
             broken_on.url, why, len(migration.ledger.reply_ids),
         )  # fmt: skip
-        context.metrics.upstream_errors_by["decode"].inc()
         if self.continued is not None:
             await self.continued.aclose()
             self.continued = None
