@@ -108,6 +108,12 @@ def main() -> int:
         "",
         __doc__.split("\n\n")[1].replace("\n", " "),
         "",
+        "Modes as `aiperf_agentic.py` names them, all in the same runs on the same engines: "
+        "`vllm-pd` is the strongest baseline a user runs today, vLLM P/D with prefix caching on "
+        "every engine behind vllm-router (`consistent_hash` on `X-Session-ID`); "
+        "`decode-affinity` the router that sends a short-suffix turn to the decode holding it "
+        "(llm-d's and Dynamo's behaviour); `kvturn`, `kvturn-no-budget` kvturn's gateway.",
+        "",
         "Load: replies decoding at once during a reply (time-weighted mean, itself included). "
         "ITL: AIPerf's, a reply's mean gap (ms). Worst gap: a reply's longest gap between two "
         "chunks after its first (ms).",
