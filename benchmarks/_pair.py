@@ -193,6 +193,26 @@ def engine_counters(urls: list[str]) -> dict[str, float]:
     return totals
 
 
+def engine_totals(urls: list[str], names: tuple[str, ...]) -> dict[str, float]:
+    """Each metric of ``names`` summed over its samples and over ``urls`` (counters, or a
+    histogram's ``_sum``/``_count``)."""
+    totals = dict.fromkeys(names, 0.0)
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for name in names:
+            totals[name] += sum(_samples(text, name).values())
+    return totals
+
+
+#: What a decode engine spent its steps on: every token its steps ran (prompt and generated),
+#: the generated ones, and its preemptions (each a running request pushed out to be recomputed).
+DECODE_WORK = (
+    "vllm:iteration_tokens_total_sum",
+    "vllm:generation_tokens_total",
+    "vllm:num_preemptions_total",
+)
+
+
 def gateway_plans(url: str) -> dict[str, float]:
     """The gateway's turns so far, by plan."""
     text = httpx.get(f"{url}/metrics", timeout=30).text

@@ -38,12 +38,14 @@ whichever mode goes first).
     goes through P/D. No leases, no release, no SDK.
 ``kvturn``
     kvturn's gateway as shipped, in front of the same engines, the same session header.
-``kvturn-budget-5ms``
-    (an alternative, measured to choose the default) a second kvturn gateway
-    (``kvturn serve``) on the same engines with ``--local-stall-budget-s 0.005``: a busy
-    holder's suffix is computed on prefill unless its compute fits 5 ms. The results of
-    2026-12-07 ran when that was kvturn's default: their ``kvturn`` mode had the budget and
-    their ``kvturn-no-budget`` mode was ``--local-stall-budget-s inf``, today's default.
+``kvturn-budget-5ms``, ``kvturn-no-budget``, ``kvturn-pull-only``, ``kvturn-unpressed``
+    (alternatives, measured to choose the default: :data:`ALTERNATIVES`) another kvturn
+    gateway (``kvturn serve``) on the same engines, one per alternative a run names, with its
+    flags: ``--local-stall-budget-s 0.005`` (a busy holder's suffix is computed on prefill
+    unless its compute fits 5 ms), ``--local-stall-budget-s inf`` (no budget), ``--decode-local
+    off`` (every returning turn pulls its history into prefill; decode computes no prompt),
+    ``--pressed-stall-budget-s inf`` (no stall budget even on a decode short of memory: the
+    default before 2026-12-07 17:00).
 
 Each run records AIPerf's TTFT p50/p90, inter-token latency p50/p99, request latency p50/p90
 and the job (AIPerf's benchmark duration); the engines' prompt tokens by source (computed,
@@ -74,6 +76,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _pair import (
+    DECODE_WORK,
     ROOT,
     ROUTER_BIN,
     ROUTER_PORT,
@@ -82,6 +85,7 @@ from _pair import (
     cpu_seconds,
     engine_counters,
     engine_itl_buckets,
+    engine_totals,
     gateway_plan_reasons,
     histogram_quantile,
     interleaved,
@@ -97,11 +101,17 @@ from kvturn.wire import CONTROL_SECRET_ENV
 RESULTS = Path(__file__).parent / "results"
 CONFIG = Path(__file__).parent / "agentic_code.json"
 GATEWAY_PORT = 28000
-BUDGET_PORT = 28050
+#: kvturn gateways with other settings, each on its own port, started where a run names it.
+ALTERNATIVES = {
+    "kvturn-budget-5ms": (28050, ("--local-stall-budget-s", "0.005")),
+    "kvturn-no-budget": (28051, ("--local-stall-budget-s", "inf")),
+    "kvturn-pull-only": (28052, ("--decode-local", "off")),
+    "kvturn-unpressed": (28053, ("--pressed-stall-budget-s", "inf")),
+}
 AFFINITY_PORT = 29400
 BIDIRECTIONAL_PORT = 29500
 BLOCK_SIZE = 128
-MODES = ("vllm-pd", "decode-affinity", "upstream-bidirectional", "kvturn", "kvturn-budget-5ms")
+MODES = ("vllm-pd", "decode-affinity", "upstream-bidirectional", "kvturn", *ALTERNATIVES)
 BASELINES = ("vllm-pd", "decode-affinity", "upstream-bidirectional")
 #: (AIPerf metric, statistic, the key a run records it under)
 METRICS = (
@@ -270,7 +280,9 @@ def _engine_flags(state: dict[str, Any], *, control: bool = False) -> list[str]:
 
 
 @contextlib.contextmanager
-def deployed(workload: Workload) -> Iterator[tuple[dict[str, Any], dict[str, str], dict[str, str]]]:
+def deployed(
+    workload: Workload, modes: tuple[str, ...]
+) -> Iterator[tuple[dict[str, Any], dict[str, str], dict[str, str]]]:
     """One ``kvturn up`` (equal KV per engine) and the baselines' routers in front of its
     engines: the state, each mode's URL, each router's command."""
     blocks = workload.kv_blocks
@@ -305,22 +317,25 @@ def deployed(workload: Workload) -> Iterator[tuple[dict[str, Any], dict[str, str
             *_engine_flags(state), "--port", str(AFFINITY_PORT),
             "--decode-blocks", str(blocks or 4096),
         ]  # fmt: skip
-        budget_5ms = [
-            sys.executable, "-m", "kvturn.gateway.ops.cli", "serve",
-            "--port", str(BUDGET_PORT), "--local-stall-budget-s", "0.005",
-            *_engine_flags(state, control=True),
-        ]  # fmt: skip
-        with (
-            server(*affinity, port=AFFINITY_PORT),
-            server(*budget_5ms, port=BUDGET_PORT, env=secret),
-        ):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(server(*affinity, port=AFFINITY_PORT))
             urls = {
                 "vllm-pd": f"http://127.0.0.1:{ROUTER_PORT}",
                 "decode-affinity": f"http://127.0.0.1:{AFFINITY_PORT}",
                 "kvturn": str(state["gateway"]).removesuffix("/v1"),
-                "kvturn-budget-5ms": f"http://127.0.0.1:{BUDGET_PORT}",
             }
             routers = {"vllm-pd": router_command, "decode-affinity": shown(tuple(affinity))}
+            for mode in modes:
+                if mode not in ALTERNATIVES:
+                    continue
+                port, flags = ALTERNATIVES[mode]
+                command = [
+                    sys.executable, "-m", "kvturn.gateway.ops.cli", "serve", "--port", str(port),
+                    *flags, *_engine_flags(state, control=True),
+                ]  # fmt: skip
+                stack.enter_context(server(*command, port=port, env=secret))
+                urls[mode] = f"http://127.0.0.1:{port}"
+                routers[mode] = shown(tuple(command))
             yield state, urls, routers
 
 
@@ -362,7 +377,7 @@ def run_workload(
     runs: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix=f"kvturn-agentic-{workload.name}-"))
     dataset = synthesize(workload, work / "dataset")
-    with deployed(workload) as (state, urls, routers):
+    with deployed(workload, modes) as (state, urls, routers):
         engines = state["prefill"] + state["decode"]
         for mode in modes:  # discarded: every mode's first requests on these engines
             print(f"   {mode} (warm-up, {warmup_requests} requests)", flush=True)
@@ -378,7 +393,10 @@ def run_workload(
                 wait_leases_ended(state)
             before = engine_counters(engines)
             itl_before, cpu_before = engine_itl_buckets(state["decode"]), cpu_seconds()
-            reasons_before = gateway_plan_reasons(urls["kvturn"])
+            work_before = engine_totals(state["decode"], DECODE_WORK)
+            # The plans of the gateway this mode runs through (the default's for a baseline).
+            gateway_url = urls[mode] if mode.startswith("kvturn") else urls["kvturn"]
+            reasons_before = gateway_plan_reasons(gateway_url)
             routed_before = routed(mode, urls[mode])
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
             out = work / f"{mode}-{repeat}"
@@ -386,7 +404,9 @@ def run_workload(
             wait_idle(engines)
             after = engine_counters(engines)
             itl_after, cpu_after = engine_itl_buckets(state["decode"]), cpu_seconds()
-            reasons_after = gateway_plan_reasons(urls["kvturn"])
+            work_after = engine_totals(state["decode"], DECODE_WORK)
+            steps = {k: v - work_before[k] for k, v in work_after.items()}
+            reasons_after = gateway_plan_reasons(gateway_url)
             routed_after = routed(mode, urls[mode])
             data = result["aiperf"]
             run: dict[str, Any] = {
@@ -405,6 +425,11 @@ def run_workload(
                 **{f"engine_itl_{name}": None if (v := histogram_quantile(
                     itl_before, itl_after, q)) is None else v * 1000
                    for name, q in (("p50", 0.5), ("p99", 0.99))},
+                # What decode's steps ran beside its streams: prompt tokens it computed (a
+                # local suffix, a recompute after preemption) and its preemptions.
+                "decode_prompt_tokens": steps["vllm:iteration_tokens_total_sum"]
+                - steps["vllm:generation_tokens_total"],
+                "decode_preemptions": steps["vllm:num_preemptions_total"],
                 "cpu_s": {k: round(v - cpu_before.get(k, 0.0), 1)
                           for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) >= 1.0},
             }  # fmt: skip
@@ -417,7 +442,9 @@ def run_workload(
                 for k in ("p50", "p99")
                 if run[f"engine_itl_{k}"] is not None
             ]
-            print(f"     cpu {run['cpu_s']}", flush=True)
+            print(f"     cpu {run['cpu_s']}, decode prompt tokens "
+                  f"{run['decode_prompt_tokens']:.0f}, preemptions "
+                  f"{run['decode_preemptions']:.0f}", flush=True)  # fmt: skip
             print(f"     {', '.join(shown_now)}, errors {run['errors']:.0f}, tokens "
                   f"{run['tokens']}, plans {run['reasons']}", flush=True)  # fmt: skip
         checked = None
@@ -441,7 +468,22 @@ def run_workload(
         "answers": checked,
         "artifacts": str(work),
         "dataset_lines": sum(1 for _ in dataset.open()),
+        "compute_floor": compute_floor(dataset),
     }
+
+
+def compute_floor(dataset: Path) -> int:
+    """The prompt tokens no deployment can avoid computing for ``dataset`` (a mooncake trace
+    whose turns carry their new input's block hashes): every turn's new input once, a block
+    that several sessions share (the global and group prefixes) once in all. Replies are not
+    counted: their KV exists where they were decoded, and reuse can fetch it."""
+    rows = [json.loads(line) for line in dataset.open()]
+    total = sum(int(row["input_length"]) for row in rows)
+    seen: dict[int, int] = {}
+    for row in rows:
+        for block in row.get("hash_ids") or ():
+            seen[block] = seen.get(block, 0) + 1
+    return total - sum((count - 1) * BLOCK_SIZE for count in seen.values() if count > 1)
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -493,7 +535,11 @@ def report(results: list[dict[str, Any]], argv: list[str], date: str, notes: str
         lines += [
             f"## {w['name']}", "", w["what"] + ".", "",
             f"1 prefill + 1 decode, {kv} of KV each; {w['sessions']} sessions "
-            f"({result['dataset_lines']} turns), {w['concurrency']} under way.",
+            f"({result['dataset_lines']} turns), {w['concurrency']} under way."
+            + (f" Prompt tokens no deployment can avoid computing: {floor / 1000:.0f}k a run "
+               "(every turn's new input once, the shared prefixes once; replies not counted: "
+               "their KV exists where they were decoded)." if (floor := result.get(
+                   "compute_floor")) else ""),
             "",
             "| mode | TTFT p50 | TTFT p90 | ITL p50 | ITL p99 | latency p50 | latency p90 | "
             "job (s) | job floor (s) | computed / cached / received | errors |",
@@ -536,24 +582,37 @@ def report(results: list[dict[str, Any]], argv: list[str], date: str, notes: str
                     f"{k} {statistics.mean(c.get(k, 0) for c in counted):.0f}" for k in keys
                 )
                 lines.append(f"{mode}'s turns a run (mean): {cells}.")
-        lines += [
-            "",
-            "| kvturn over | " + " | ".join(label for label, _ in SHOWN) + " |",
-            "|---|" + "---|" * len(SHOWN),
-        ]
-        for base in BASELINES:
-            if base in by_mode:
-                cells = [ratio(col("kvturn", key), col(base, key)) for _, key in SHOWN]
-                lines.append(f"| {base} | " + " | ".join(cells) + " |")
-        best_cells = []
-        for _, key in SHOWN:
-            present = [b for b in BASELINES if col(b, key)]
-            if not present:
-                best_cells.append("-")
-                continue
-            best = min(present, key=lambda b: statistics.median(col(b, key)))
-            best_cells.append(f"{ratio(col('kvturn', key), col(best, key))} vs {best}")
-        lines.append("| the best baseline | " + " | ".join(best_cells) + " |")
+        engine_side = [
+            f"{mode} {statistics.median(decode):.0f}"
+            for mode, mine in by_mode.items()
+            if (decode := [r["decode_prompt_tokens"] for r in mine
+                           if r.get("decode_prompt_tokens") is not None])
+        ]  # fmt: skip
+        if engine_side:
+            lines.append(
+                "Prompt tokens decode computed a run (median; vLLM's own step counts: "
+                "`vllm:iteration_tokens_total` less its generated tokens): "
+                + ", ".join(engine_side) + "."
+            )  # fmt: skip
+        for mode in [m for m in by_mode if m.startswith("kvturn")]:
+            lines += [
+                "",
+                f"| {mode} over | " + " | ".join(label for label, _ in SHOWN) + " |",
+                "|---|" + "---|" * len(SHOWN),
+            ]
+            for base in BASELINES:
+                if base in by_mode:
+                    cells = [ratio(col(mode, key), col(base, key)) for _, key in SHOWN]
+                    lines.append(f"| {base} | " + " | ".join(cells) + " |")
+            best_cells = []
+            for _, key in SHOWN:
+                present = [b for b in BASELINES if col(b, key)]
+                if not present:
+                    best_cells.append("-")
+                    continue
+                best = min(present, key=lambda b: statistics.median(col(b, key)))
+                best_cells.append(f"{ratio(col(mode, key), col(best, key))} vs {best}")
+            lines.append("| the best baseline | " + " | ".join(best_cells) + " |")
         checked = result.get("answers")
         if checked:
             lines += ["", "Answers on one seed (greedy), against vllm-pd: " + "; ".join(

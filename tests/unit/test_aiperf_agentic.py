@@ -81,6 +81,31 @@ def test_the_report_compares_kvturn_with_each_baseline_and_the_best_per_metric()
     assert "**0.80 (0.80-0.80)** vs decode-affinity" in best
     assert "1.00 (1.00-1.00) vs vllm-pd" in best
     assert "pull-reuse/streams-budget 3" in text
+    # An alternative kvturn mode gets its own ratios, and decode's prompt work is shown.
+    alternative = {**run("kvturn-pull-only", 120, 10), "decode_prompt_tokens": 0.0}
+    runs.append(alternative)
+    runs[-2]["decode_prompt_tokens"] = 4000.0
+    text = aiperf_agentic.report([result], ["--repeats", "1"], "today")
+    assert "| kvturn-pull-only over |" in text
+    assert "kvturn 4000, kvturn-pull-only 0." in text
+
+
+def test_the_compute_floor_counts_every_new_input_once_and_shared_blocks_once(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    block = aiperf_agentic.BLOCK_SIZE
+    rows = [
+        # Two sessions open on the same two blocks (a shared prefix), then one of their own.
+        {"session_id": "a", "input_length": 3 * block, "hash_ids": [0, 1, 10], "timestamp": 0},
+        {"session_id": "b", "input_length": 3 * block, "hash_ids": [0, 1, 20], "timestamp": 0},
+        # A later turn: its new input only (the history is the client's to resend).
+        {"session_id": "a", "input_length": 50, "hash_ids": [11], "delay": 5},
+    ]
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert aiperf_agentic.compute_floor(dataset) == 4 * block + 50
 
 
 async def test_a_baseline_router_relays_decodes_stream_then_runs_what_follows() -> None:
