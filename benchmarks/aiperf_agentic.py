@@ -38,14 +38,12 @@ whichever mode goes first).
     goes through P/D. No leases, no release, no SDK.
 ``kvturn``
     kvturn's gateway as shipped, in front of the same engines, the same session header.
-``kvturn-budget-5ms``, ``kvturn-no-budget``, ``kvturn-pull-only``, ``kvturn-unpressed``
+``kvturn-budget-5ms``, ``kvturn-no-budget``, ``kvturn-pull-only``
     (alternatives, measured to choose the default: :data:`ALTERNATIVES`) another kvturn
     gateway (``kvturn serve``) on the same engines, one per alternative a run names, with its
     flags: ``--local-stall-budget-s 0.005`` (a busy holder's suffix is computed on prefill
     unless its compute fits 5 ms), ``--local-stall-budget-s inf`` (no budget), ``--decode-local
-    off`` (every returning turn pulls its history into prefill; decode computes no prompt),
-    ``--pressed-stall-budget-s inf`` (no stall budget even on a decode short of memory: the
-    default before 2026-12-07 17:00).
+    off`` (every returning turn pulls its history into prefill; decode computes no prompt).
 
 Each run records AIPerf's TTFT p50/p90, inter-token latency p50/p99, request latency p50/p90
 and the job (AIPerf's benchmark duration); the engines' prompt tokens by source (computed,
@@ -106,7 +104,6 @@ ALTERNATIVES = {
     "kvturn-budget-5ms": (28050, ("--local-stall-budget-s", "0.005")),
     "kvturn-no-budget": (28051, ("--local-stall-budget-s", "inf")),
     "kvturn-pull-only": (28052, ("--decode-local", "off")),
-    "kvturn-unpressed": (28053, ("--pressed-stall-budget-s", "inf")),
 }
 AFFINITY_PORT = 29400
 BIDIRECTIONAL_PORT = 29500

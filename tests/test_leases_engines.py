@@ -313,13 +313,8 @@ def test_memory_pressure_reclaims_by_expected_return(
             assert reclaimed >= 3, stats.json()
             assert stats.json()["blocks_held"] <= SMALL_DECODE_BLOCKS
 
-            holder = gateway.app.state.gateway.decode.get(spec.url)
-            assert not holder.pressed(time.monotonic())
             got = run_turn(client, local_pair.model, histories["user-pause"], "user-pause")
             assert (got.plan, got.reused_tokens) == ("recompute", 0)
-            # The turn found its lease reclaimed: the decode now counts as short of memory,
-            # and its busy turns are pulled (tests/test_planner_engines.py, holder-pressed).
-            assert holder.pressed(time.monotonic())
             _assert_same_answer(local_pair, got, histories["user-pause"])
             assert metric(
                 gateway.url + "/metrics", 'kvturn_reuse_fallbacks_total{reason="lease-reclaimed"}'

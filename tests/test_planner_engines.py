@@ -228,22 +228,15 @@ def _prompt_tokens_computed(url: str) -> float:
     return metric_total(text, 'vllm:prompt_tokens_by_source_total{source="local_compute"')
 
 
-@pytest.mark.parametrize("why", ["streams-budget", "holder-pressed"])
 def test_a_suffix_that_would_stall_the_holders_streams_is_computed_on_prefill(
-    local_pair: LocalPair, why: str
+    local_pair: LocalPair,
 ) -> None:
-    """With a stall budget (``local_stall_budget_s``, off by default), or by default on a
-    holder short of memory (a turn found a lease on it reclaimed lately: the pressure test in
-    tests/test_leases_engines.py makes one for real): while the holder decodes another
-    conversation's stream, a turn whose suffix would stall that stream past the budget is
+    """With a stall budget (``local_stall_budget_s``, off by default): while the holder decodes
+    another conversation's stream, a turn whose suffix would stall that stream past it is
     pulled: prefill reads the history over NIXL and computes the suffix, decode computes none
     of it. With the holder idle, the same kind of turn continues there and no KV moves."""
     pair = local_pair
-    config = _config(pair, local_stall_budget_s=0.005) if why == "streams-budget" else _config(pair)
-    with running_gateway(config) as gateway:
-        if why == "holder-pressed":
-            holder = gateway.app.state.gateway.decode.get(pair.decode_url)
-            holder.reclaimed_at = time.monotonic()
+    with running_gateway(_config(pair, local_stall_budget_s=0.005)) as gateway:
         client = _client(gateway)
         conversation = f"budget-{uuid.uuid4().hex[:8]}"
         messages = _opening("moraines", 1500)
@@ -271,7 +264,7 @@ def test_a_suffix_that_would_stall_the_holders_streams_is_computed_on_prefill(
         messages = _next(messages, first, 0)  # a ~250-token tool result: ~40 ms of compute
         second = run_turn(client, pair.model, messages, conversation)
         assert not done.is_set(), "the other stream ended before the turn was planned"
-        assert (second.plan, second.reason) == ("pull-reuse", why)
+        assert (second.plan, second.reason) == ("pull-reuse", "streams-budget")
         _assert_same_answer(pair, second, messages)
         # Engine-side: prefill read the held history from decode over NIXL...
         reads.wait_for(1, min_bytes=second.reused_tokens * KV_BYTES_PER_TOKEN)

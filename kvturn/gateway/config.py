@@ -72,10 +72,6 @@ class GatewayConfig:
     #: :class:`kvturn.gateway.planner.LocalLimits`): past it, a busy holder's turn is pulled.
     #: Off (infinite) by default, as measured there.
     local_stall_budget_s: float = math.inf
-    #: The stall budget while the holder is short of memory (a turn found a lease on it
-    #: reclaimed within the last minute), seconds (see
-    #: :class:`kvturn.gateway.planner.LocalLimits`); ``inf``: none.
-    pressed_stall_budget_s: float = 0.005
     #: Requests without a conversation id that extend a recent turn's messages and reply are
     #: served as that conversation's next turn.
     implicit_conversations: bool = True
@@ -195,10 +191,6 @@ class GatewayConfig:
             raise ValueError(f"local_preference must be >= 0, not {self.local_preference}")
         if not self.local_stall_budget_s >= 0:
             raise ValueError(f"local_stall_budget_s must be >= 0, not {self.local_stall_budget_s}")
-        if not self.pressed_stall_budget_s >= 0:
-            raise ValueError(
-                f"pressed_stall_budget_s must be >= 0, not {self.pressed_stall_budget_s}"
-            )
         if not self.local_stall_weight >= 0:
             raise ValueError(f"local_stall_weight must be >= 0, not {self.local_stall_weight}")
         if self.migration_limit < 0:
@@ -267,7 +259,6 @@ class GatewayConfig:
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
             "local_stall_budget_s": float,
-            "pressed_stall_budget_s": float,
             "implicit_conversations": parse_flag, "shared_prefixes": parse_flag, "state": str,
             "state_timeout_s": float,
             "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,

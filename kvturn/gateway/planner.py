@@ -44,8 +44,7 @@ class TurnPlan:
     #: prefix cache already held what the lease did).
     #: ``pull-reuse``: ``reuse`` (counts unknown), ``local-off``, ``holder-draining``,
     #: ``history-edited``,
-    #: ``suffix-too-long``, ``holder-busy``, ``streams-budget``, ``holder-pressed``,
-    #: ``cheaper``. ``decode-local``:
+    #: ``suffix-too-long``, ``holder-busy``, ``streams-budget``, ``cheaper``. ``decode-local``:
     #: ``cheaper``;
     #: ``fork`` and ``parallel`` (the prompt starts with KV another turn holds or took, read
     #: through the holder's prefix cache: :class:`~.turns.model.Source`).
@@ -115,15 +114,6 @@ class LocalLimits:
     #: against 0.93 s tight, 0.57 against 0.47 s roomy) and inter-token latency inside the
     #: noise (p99 98 against 110 ms tight, 65 against 46 ms roomy).
     stall_budget_s: float = math.inf
-    #: The stall budget while the holder is short of memory (a turn recently found its lease
-    #: on it reclaimed): a busy holder's suffix is then computed on prefill, which keeps
-    #: prefill's copy of the conversation current for when pressure takes the lease too, and
-    #: spares the streams. Measured on AIPerf's agentic-coding workload with the working set
-    #: beyond one engine's KV (benchmarks/results/aiperf_agentic.md), 5 ms there held decode's
-    #: own ITL p99 at plain P/D's and cut the prompt tokens decode computed tenfold, at a later
-    #: median first token; with memory to spare no lease is reclaimed and it never applies
-    #: (there the budget cost the median first token with nothing to show for it).
-    pressed_stall_budget_s: float = 0.005
     #: Seconds of delay to other streams, per second of the turn's own time to first token:
     #: a local prefill of ``t`` seconds on a decode serving ``k`` streams costs ``t`` for this
     #: turn and ``stall_weight * k * t`` for the others.
@@ -154,8 +144,6 @@ class ReuseInputs:
     holder_url: str
     #: The prefill engine P/D would use.
     prefill_url: str
-    #: Whether the holder is short of memory (:meth:`~.pools.Instance.pressed`).
-    holder_pressed: bool = False
 
 
 def choose_reuse(inputs: ReuseInputs, limits: LocalLimits, costs: CostModel) -> TurnPlan:
@@ -175,13 +163,9 @@ def choose_reuse(inputs: ReuseInputs, limits: LocalLimits, costs: CostModel) -> 
         return TurnPlan("pull-reuse", "suffix-too-long")
     if inputs.holder_running >= limits.max_running:
         return TurnPlan("pull-reuse", "holder-busy")
-    budget = limits.stall_budget_s
-    if inputs.holder_pressed and limits.pressed_stall_budget_s < budget:
-        budget = limits.pressed_stall_budget_s
     if _stalls_streams(inputs.holder_running, inputs.holder_url, suffix, inputs.prefill_url,
-                       budget, costs):  # fmt: skip
-        reason = "streams-budget" if budget == limits.stall_budget_s else "holder-pressed"
-        return TurnPlan("pull-reuse", reason)
+                       limits, costs):  # fmt: skip
+        return TurnPlan("pull-reuse", "streams-budget")
     local = costs.local_seconds(inputs.holder_url, suffix, inputs.prefill_url)
     local += limits.stall_weight * inputs.holder_running * local
     pull = costs.pull_seconds(inputs.prefill_url, inputs.held_tokens, suffix)
@@ -219,7 +203,7 @@ def choose_shared(
     if suffix > limits.max_suffix_tokens or inputs.holder_running >= limits.max_running:
         return None
     if _stalls_streams(inputs.holder_running, inputs.holder_url, suffix, inputs.prefill_url,
-                       limits.stall_budget_s, costs):  # fmt: skip
+                       limits, costs):  # fmt: skip
         return None
     local = costs.local_seconds(inputs.holder_url, suffix, inputs.prefill_url)
     local += limits.stall_weight * inputs.holder_running * local
@@ -234,14 +218,14 @@ def _stalls_streams(
     holder_url: str,
     suffix: int,
     prefill_url: str,
-    budget_s: float,
+    limits: LocalLimits,
     costs: CostModel,
 ) -> bool:
     """Whether a local prefill of ``suffix`` would stall the holder's ``running`` streams past
-    ``budget_s`` (an idle holder stalls nobody; with no budget nothing is costed)."""
-    if running <= 0 or math.isinf(budget_s):
+    the budget (an idle holder stalls nobody; with no budget, the default, nothing is costed)."""
+    if running <= 0 or math.isinf(limits.stall_budget_s):
         return False
-    return costs.local_stall_seconds(holder_url, suffix, prefill_url) > budget_s
+    return costs.local_stall_seconds(holder_url, suffix, prefill_url) > limits.stall_budget_s
 
 
 class LinearCost:

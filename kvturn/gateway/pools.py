@@ -17,11 +17,6 @@ from kvturn.gateway.http.upstream import Upstream
 
 logger = logging.getLogger("kvturn.gateway")
 
-#: How long after a turn found a lease on a decode reclaimed the decode counts as short of
-#: memory (:meth:`Instance.pressed`), seconds: on AIPerf's agentic-coding workload with the
-#: working set beyond one engine's KV, turns found a lease reclaimed every 5-15 s.
-PRESSURE_WINDOW_S = 60.0
-
 
 @dataclass(eq=False)
 class Instance:
@@ -49,9 +44,6 @@ class Instance:
     #: engine sent one lately has not been idle long enough to need a wake (see
     #: ``TurnRunner._wake_decode``).
     last_sent: float = field(default=-math.inf, init=False)
-    #: When (``time.monotonic()``) a turn last found a lease on it reclaimed (its connector
-    #: freed the conversation's KV for memory).
-    reclaimed_at: float = field(default=-math.inf, init=False)
 
     def __post_init__(self) -> None:
         self.host = urlsplit(self.url).hostname or "127.0.0.1"
@@ -59,11 +51,6 @@ class Instance:
     def lease_s(self, asked_s: float) -> float:
         """The lease this decode grants when ``asked_s`` is asked for."""
         return min(asked_s, self.max_lease_s) if self.max_lease_s > 0 else asked_s
-
-    def pressed(self, now: float) -> bool:
-        """Whether it is short of memory: a turn found a lease on it reclaimed within
-        :data:`PRESSURE_WINDOW_S` of ``now`` (``time.monotonic()``)."""
-        return now - self.reclaimed_at < PRESSURE_WINDOW_S
 
 
 class Pool:

@@ -28,7 +28,6 @@ from kvturn.gateway.planner import (
     choose_reuse,
     plan_turn,
 )
-from kvturn.gateway.pools import PRESSURE_WINDOW_S, Instance
 from kvturn.gateway.state.implicit import ImplicitIndex, Indexed
 from kvturn.gateway.state.redis_client import RedisState
 from kvturn.gateway.state.table import fresh_turn
@@ -121,31 +120,6 @@ def test_a_suffix_that_would_stall_the_holders_streams_past_the_budget_is_pulled
     assert _choose(five_ms, prompt_tokens=3984 + 30, holder_running=2).local
     assert _choose(five_ms, prompt_tokens=3984 + 40, holder_running=2).reason == "streams-budget"
     assert _choose(prompt_tokens=3984 + 40, holder_running=2).local
-
-
-def test_a_holder_short_of_memory_has_its_busy_turns_pulled_by_default() -> None:
-    # A holder that lost a lease to memory pressure lately: its busy turns' suffixes go to
-    # prefill past the pressed budget (5 ms by default), idle ones stay local.
-    plan = _choose(prompt_tokens=3984 + 40, holder_running=2, holder_pressed=True)
-    assert (plan.plan, plan.reason) == ("pull-reuse", "holder-pressed")
-    assert _choose(prompt_tokens=3984 + 30, holder_running=2, holder_pressed=True).local
-    assert _choose(prompt_tokens=3984 + 40, holder_running=0, holder_pressed=True).local
-    # The same turn on a holder with memory to spare: local (no budget by default).
-    assert _choose(prompt_tokens=3984 + 40, holder_running=2, holder_pressed=False).local
-    # A tighter budget of its own still binds, and then is the reason; inf turns it off.
-    tight = LocalLimits(stall_budget_s=0.001)
-    assert _choose(tight, prompt_tokens=3984 + 10, holder_running=1,
-                   holder_pressed=True).reason == "streams-budget"  # fmt: skip
-    off = LocalLimits(pressed_stall_budget_s=math.inf)
-    assert _choose(off, prompt_tokens=3984 + 40, holder_running=2, holder_pressed=True).local
-
-
-def test_a_holder_counts_as_short_of_memory_for_a_while_after_a_reclaimed_lease() -> None:
-    holder = Instance(HOLDER)
-    assert not holder.pressed(1000.0)
-    holder.reclaimed_at = 1000.0
-    assert holder.pressed(1000.0 + PRESSURE_WINDOW_S - 1)
-    assert not holder.pressed(1000.0 + PRESSURE_WINDOW_S)
 
 
 def test_the_stall_is_the_holders_learned_per_token_cost_not_its_fixed_cost() -> None:

@@ -120,7 +120,6 @@ async def _status(gateway: Gateway) -> Rendered:
             "local_stall_weight": config.local_stall_weight,
             "local_preference": config.local_preference,
             "local_stall_budget_s": config.local_stall_budget_s,
-            "pressed_stall_budget_s": config.pressed_stall_budget_s,
             "implicit_conversations": config.implicit_conversations,
             "shared_prefixes": config.shared_prefixes,
             "lease_s": config.lease_s,

@@ -73,11 +73,6 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
         "longest a local prefill may stall the holder's other streams, seconds (past it: pull; "
         "default inf, off)",
     ),
-    "pressed_stall_budget_s": (
-        float,
-        "the same while the holder is short of memory (a lease on it reclaimed in the last "
-        "minute), seconds (default 0.005; inf: off)",
-    ),
     "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
     "shared_prefixes": (
         parse_flag,

@@ -61,7 +61,6 @@ class TurnContext:
             stall_weight=config.local_stall_weight,
             preference=config.local_preference,
             stall_budget_s=config.local_stall_budget_s,
-            pressed_stall_budget_s=config.pressed_stall_budget_s,
         )
         leases = LeaseClient(upstream, config.control_secret)
         returns = ReturnLeases(config.lease_s, enabled=config.learned_lease)

@@ -197,8 +197,6 @@ class ReuseStep:
         outcome = await self.context.leases.claim(holder.control_url, key)
         if outcome.params is None or not self.usable(outcome.params):
             plan = TurnPlan("recompute", GONE_REASONS.get(outcome.reason, "kv-gone"))
-            if outcome.reason == "reclaimed":
-                holder.reclaimed_at = time.monotonic()
             if holder.draining:
                 self.context.metrics.drain_handoffs_by["lost"].inc()
             if outcome.params is not None:
@@ -251,7 +249,6 @@ class ReuseStep:
                 holder_running=holder.in_flight,
                 holder_url=holder.url,
                 prefill_url=prefill_url,
-                holder_pressed=holder.pressed(time.monotonic()),
             )
             plan = choose_reuse(inputs, limits, self.context.costs)
             if plan.local:
@@ -274,7 +271,6 @@ class ReuseStep:
             holder_running=holder.in_flight,
             holder_url=holder.url,
             prefill_url=prefill_url,
-            holder_pressed=holder.pressed(time.monotonic()),
         )
         return (
             choose_reuse(inputs, limits, self.context.costs),
