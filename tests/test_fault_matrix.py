@@ -225,9 +225,15 @@ def _reference(pair: LocalPair, path: str, body: dict[str, Any]) -> dict[str, An
     return {"ids": ids, "text": text}
 
 
+def _first_difference(got: list[Any] | str, want: list[Any] | str) -> int:
+    """Where two replies first differ: the first unequal position, else the shorter's length."""
+    pairs = enumerate(zip(got, want, strict=False))
+    return next((i for i, (a, b) in pairs if a != b), min(len(got), len(want)))
+
+
 def _divergence(got: list[Any] | str, want: list[Any] | str) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-    if at is None:
+    at = _first_difference(got, want)
+    if at == min(len(got), len(want)):
         return f"lengths {len(got)} and {len(want)}"
     return f"first divergence at {at}: {got[at : at + 8]!r} against {want[at : at + 8]!r}"
 
@@ -332,11 +338,7 @@ def test_decode_killed_mid_stream_every_reply_continues_on_another_engine(
                     failures.append(f"{name}: ids {_divergence(got['ids'], want['ids'])}")
             elif got["text"] != want["text"]:
                 report = f"{name}: text {_divergence(got['text'], want['text'])}"
-                at = next(
-                    i
-                    for i, (a, b) in enumerate(zip(got["text"], want["text"] + "\0", strict=False))
-                    if a != b
-                )
+                at = _first_difference(got["text"], want["text"])
                 if "\ufffd" in want["text"][max(0, at - 8) : at + 8]:
                     # The cause, reported: the tiny model's random bytes are invalid UTF-8,
                     # and the continuation's detokenizer (tokenizers' DecodeStream, primed
