@@ -234,6 +234,11 @@ def gateway_plan_reasons(url: str) -> dict[str, float]:
     return reasons
 
 
+def gateway_total(url: str, name: str) -> float:
+    """A gateway counter's value, every label together (0 where it has none yet)."""
+    return sum(_samples(httpx.get(f"{url}/metrics", timeout=30).text, name).values())
+
+
 def wait_idle(urls: list[str], timeout_s: float = 120) -> None:
     """Until no engine runs or queues a request (a run's last streams may still be ending)."""
     deadline = time.monotonic() + timeout_s

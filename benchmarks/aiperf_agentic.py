@@ -85,6 +85,7 @@ from _pair import (
     engine_itl_buckets,
     engine_totals,
     gateway_plan_reasons,
+    gateway_total,
     histogram_quantile,
     interleaved,
     local_pair,
@@ -108,6 +109,8 @@ ALTERNATIVES = {
 AFFINITY_PORT = 29400
 BIDIRECTIONAL_PORT = 29500
 BLOCK_SIZE = 128
+#: The gateway's count of the prompt tokens its decode-local turns were planned to compute.
+LOCAL_SUFFIX = "kvturn_local_suffix_tokens_total"
 MODES = ("vllm-pd", "decode-affinity", "upstream-bidirectional", "kvturn", *ALTERNATIVES)
 BASELINES = ("vllm-pd", "decode-affinity", "upstream-bidirectional")
 #: (AIPerf metric, statistic, the key a run records it under)
@@ -394,6 +397,7 @@ def run_workload(
             # The plans of the gateway this mode runs through (the default's for a baseline).
             gateway_url = urls[mode] if mode.startswith("kvturn") else urls["kvturn"]
             reasons_before = gateway_plan_reasons(gateway_url)
+            local_before = gateway_total(gateway_url, LOCAL_SUFFIX)
             routed_before = routed(mode, urls[mode])
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
             out = work / f"{mode}-{repeat}"
@@ -404,6 +408,7 @@ def run_workload(
             work_after = engine_totals(state["decode"], DECODE_WORK)
             steps = {k: v - work_before[k] for k, v in work_after.items()}
             reasons_after = gateway_plan_reasons(gateway_url)
+            local_after = gateway_total(gateway_url, LOCAL_SUFFIX)
             routed_after = routed(mode, urls[mode])
             data = result["aiperf"]
             run: dict[str, Any] = {
@@ -427,6 +432,9 @@ def run_workload(
                 "decode_prompt_tokens": steps["vllm:iteration_tokens_total_sum"]
                 - steps["vllm:generation_tokens_total"],
                 "decode_preemptions": steps["vllm:num_preemptions_total"],
+                # Of which kvturn's decode-local turns were planned to compute (their suffixes).
+                "local_suffix_tokens": local_after - local_before if mode.startswith("kvturn")
+                else None,
                 "cpu_s": {k: round(v - cpu_before.get(k, 0.0), 1)
                           for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) >= 1.0},
             }  # fmt: skip
@@ -441,7 +449,8 @@ def run_workload(
             ]
             print(f"     cpu {run['cpu_s']}, decode prompt tokens "
                   f"{run['decode_prompt_tokens']:.0f}, preemptions "
-                  f"{run['decode_preemptions']:.0f}", flush=True)  # fmt: skip
+                  f"{run['decode_preemptions']:.0f}, planned local suffixes "
+                  f"{run['local_suffix_tokens'] or 0:.0f}", flush=True)  # fmt: skip
             print(f"     {', '.join(shown_now)}, errors {run['errors']:.0f}, tokens "
                   f"{run['tokens']}, plans {run['reasons']}", flush=True)  # fmt: skip
         checked = None
@@ -590,6 +599,18 @@ def report(results: list[dict[str, Any]], argv: list[str], date: str, notes: str
                 "Prompt tokens decode computed a run (median; vLLM's own step counts: "
                 "`vllm:iteration_tokens_total` less its generated tokens): "
                 + ", ".join(engine_side) + "."
+            )  # fmt: skip
+        planned = [
+            f"{mode} {statistics.median(local):.0f}"
+            for mode, mine in by_mode.items()
+            if (local := [r["local_suffix_tokens"] for r in mine
+                          if r.get("local_suffix_tokens") is not None])
+        ]  # fmt: skip
+        if planned:
+            lines.append(
+                "Of which decode-local turns were planned to compute (the gateway's "
+                "`kvturn_local_suffix_tokens_total`; the rest is what decode's cache did not "
+                "serve as planned, or recomputed after a preemption): " + ", ".join(planned) + "."
             )  # fmt: skip
         for mode in [m for m in by_mode if m.startswith("kvturn")]:
             lines += [

@@ -354,7 +354,9 @@ def _decode_local_under_pressure(pair: LocalPair, decode_url: str, control: str)
     because the lease kept its blocks; the same conversation released first (vLLM's prefix
     cache alone then keeps its freed blocks only until newer requests need them) is served
     from nothing there. Uncontended, vLLM's prefix cache keeps freed blocks anyway, so only
-    pressure shows the lease doing the work."""
+    pressure shows the lease doing the work. A conversation whose lease pressure took (a user
+    pause) is found gone when its turn is planned: prefill recomputes it, and the holder
+    computes none of the lost history beside its streams."""
     config = GatewayConfig(
         prefill=endpoints([pair.prefill_url]),
         decode=endpoints([decode_url], [control]),
@@ -372,6 +374,16 @@ def _decode_local_under_pressure(pair: LocalPair, decode_url: str, control: str)
             metric(f"{decode_url}/metrics", "vllm:prefix_cache_hits_total"),
         )
 
+    def decode_computed() -> float:
+        """Prompt tokens decode computed itself (vLLM's count by source)."""
+        lines = httpx.get(f"{decode_url}/metrics", timeout=10).text.splitlines()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in lines
+            if line.startswith("vllm:prompt_tokens_by_source_total{")
+            and 'source="local_compute"' in line
+        )
+
     def decode_hits(before: tuple[float, float]) -> float:
         """Decode's prefix-cache hits since ``before``, once it finished one more request."""
         deadline = time.monotonic() + 10
@@ -383,15 +395,17 @@ def _decode_local_under_pressure(pair: LocalPair, decode_url: str, control: str)
     with running_gateway(config) as gateway:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
         histories: dict[str, list[dict[str, Any]]] = {}
-        for name in ("held", "released"):
+        for name in ("held", "released", "reclaimed"):
             messages = _opening(f"local pressure {name}", 900)
             first = run_turn(client, pair.model, messages, name)
             histories[name] = _next(messages, first)
             wait_recorded(gateway, name)
-        beat = httpx.post(
-            gateway.url + "/v1/kvturn/conversations/held/heartbeat", json={"pause_kind": "tool"}
-        )
-        assert beat.json()["lease_remaining_s"] > 0
+        for name, kind in (("held", "tool"), ("reclaimed", "user")):
+            beat = httpx.post(
+                gateway.url + f"/v1/kvturn/conversations/{name}/heartbeat",
+                json={"pause_kind": kind},
+            )
+            assert beat.json()["lease_remaining_s"] > 0
         assert httpx.delete(gateway.url + "/v1/kvturn/conversations/released").status_code < 300
         # More than the decode holds (about 8 blocks a conversation, 40 in all).
         for i in range(6):
@@ -410,6 +424,14 @@ def _decode_local_under_pressure(pair: LocalPair, decode_url: str, control: str)
         # Its history was evicted: decode took the whole prompt from prefill.
         assert decode_hits(before) < 128, "the released history survived the pressure"
         _assert_same_answer(pair, got, histories["released"])
+
+        # The user pause's lease went first; the gateway's table still had it live.
+        before, computed = counters(), decode_computed()
+        got = run_turn(client, pair.model, histories["reclaimed"], "reclaimed")
+        assert (got.plan, got.reason) == ("recompute", "lease-reclaimed")
+        decode_hits(before)  # once decode's stats show the turn
+        assert decode_computed() - computed < 64, "the holder recomputed the lost history"
+        _assert_same_answer(pair, got, histories["reclaimed"])
 
 
 #: The longest lease of the short-lease decode below (its ``--kv-ttl``), under the gateway's

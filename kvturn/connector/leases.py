@@ -140,6 +140,13 @@ class LeaseCounters:
     ended: Counter[str] = field(default_factory=Counter)
 
 
+def _bounded(lease_s: float, longest: float) -> float:
+    """A lease's length as asked, within [0, ``longest``] (0 for nonsense)."""
+    if not math.isfinite(lease_s) or lease_s < 0:
+        lease_s = 0.0
+    return min(lease_s, longest)
+
+
 class LeaseTable:
     """All leases of one decode engine. Thread-safe (the control server's threads and the
     engine's scheduler thread share it)."""
@@ -200,7 +207,7 @@ class LeaseTable:
             conversation=conversation,
             params=params,
             block_ids=tuple(list(group) for group in block_ids),
-            expires_at=now + self._bounded(lease_s),
+            expires_at=now + _bounded(lease_s, self.max_lease_s),
             paused_since=now,
             reclaimable=reclaimable,
         )
@@ -293,7 +300,7 @@ class LeaseTable:
                 lease.pause_kind = pause_kind
             if paused_s is not None and math.isfinite(paused_s) and paused_s >= 0:
                 lease.paused_since = min(lease.paused_since, now - paused_s)
-            extended = now + self._bounded(lease_s)
+            extended = now + _bounded(lease_s, self.max_lease_s)
             if lease.pause_kind == "user":
                 # No further than most users' pauses last (from when this one began).
                 longest = self.pauses.quantile("user", self.user_coverage)
@@ -327,11 +334,13 @@ class LeaseTable:
         its read is over); whether there was a lease to release."""
         with self._lock:
             lease = self._by_key.get(key)
-            if lease is None or lease.ending is not None:
+            if lease is None:
                 return False
             now = self.clock()
-            if end_claim:
+            if end_claim:  # also of an ending lease (superseded while a local turn held it)
                 lease.claimed_until = min(lease.claimed_until, now)
+            if lease.ending is not None:
+                return False
             self._end(lease, "released", now)
             return True
 
@@ -405,11 +414,6 @@ class LeaseTable:
         return self.stats().leases
 
     # ---- internals (lock held) --------------------------------------------------------------
-
-    def _bounded(self, lease_s: float) -> float:
-        if not math.isfinite(lease_s) or lease_s < 0:
-            lease_s = 0.0
-        return min(lease_s, self.max_lease_s)
 
     def _live(self, key: str) -> Lease | None:
         lease = self._by_key.get(key)

@@ -81,6 +81,12 @@ class GatewayMetrics:
         self.recomputed_tokens = Counter(
             "kvturn_recomputed_tokens", "Prompt tokens prefill computed", registry=r
         )
+        self.local_suffix_tokens = Counter(
+            "kvturn_local_suffix_tokens",
+            "Prompt tokens decode-local turns left their holder to compute: the suffix past what "
+            "its prefix cache was to serve (as planned; a whole reply's, as the holder reported)",
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvturn_ttft_seconds", "Time to the first streamed chunk, by plan", ["plan"],
             buckets=_LATENCY_BUCKETS, registry=r,

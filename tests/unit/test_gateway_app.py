@@ -777,15 +777,16 @@ def test_a_holder_that_fails_a_local_turn_means_recompute_elsewhere() -> None:
                 _recorded(gateway, "failing-holder")
                 store = gateway.app.state.gateway.store
                 assert store.peek(scoped_key("", "failing-holder")).holder_url == holder
-                releases = fake_engine.COUNTS.get("releases", 0)
+                ended = fake_engine.COUNTS.get("claims_ended", 0)
                 fake_engine.FAIL_DECODE_PORTS.add(int(holder.rsplit(":", 1)[1]))
                 try:
                     second = _turn(gateway.url, "failing-holder")
                     # The holder broke after planning: the turn is served again, plainly,
-                    # on the other decode, and the lease it would have superseded is freed.
+                    # on the other decode, and the lease it claimed and would have superseded
+                    # is freed, its claim ended.
                     assert second.headers["x-kvturn-plan"] == "recompute"
                     assert second.headers["x-kvturn-plan-reason"] == "decode-failed"
-                    _counted("releases", releases, "the old lease was not released")
+                    _counted("claims_ended", ended, "the old lease was not released")
                     _recorded(gateway, "failing-holder")
                     assert store.peek(scoped_key("", "failing-holder")).holder_url == other
                     # Every decode failing: the prefill engine serves the turn alone.

@@ -145,6 +145,22 @@ def test_a_claim_that_ends_unread_is_freed_when_the_claimant_says_so_or_it_times
     assert table.take_deadlines()["chatcmpl-r2-0000abcd"] < clock.now
 
 
+def test_a_claimed_lease_a_local_turn_superseded_is_freed_when_its_claim_ends() -> None:
+    """A decode-local turn claims the previous lease (pressure takes it no more), and its own
+    lease supersedes it when it ends: the blocks wait for the claim, which the gateway ends."""
+    clock = FakeClock()
+    table = _table(clock, claim_s=30.0)
+    _retain(table, 1, "a")
+    table.take_deadlines()
+    assert table.claim("r1") is not None
+    assert table.reclaim(100) == []
+    _retain(table, 2, "a")  # the local turn's own: supersedes r1, which waits for its claim
+    assert table.take_deadlines().get("chatcmpl-r1-0000abcd", clock.now + 1) > clock.now
+    assert not table.release("r1", end_claim=True)  # already ending, but its claim is over
+    assert table.take_deadlines()["chatcmpl-r1-0000abcd"] < clock.now
+    assert table.finished("chatcmpl-r1-0000abcd") == "superseded"
+
+
 def test_pressure_reclaims_user_pauses_first_then_the_least_likely_to_return() -> None:
     clock = FakeClock()
     table = _table(clock)

@@ -180,9 +180,23 @@ class ReuseStep:
                 self.context.metrics.fallbacks_by[plan.reason].inc()
                 return Reuse(plan)
             plan = TurnPlan("decode-local", "no-pull-in-push")
+        # Held for this turn, a pull's or a local prefill's, until it ends: memory pressure on
+        # the holder reclaims it no more. A lease already gone is found now, not by the holder
+        # computing the lost history beside the streams it decodes (a local turn), or by a
+        # pull reading nothing.
+        outcome = await self.context.leases.claim(holder.control_url, key)
+        if outcome.params is None or not (plan.local or self.usable(outcome.params)):
+            plan = TurnPlan("recompute", GONE_REASONS.get(outcome.reason, "kv-gone"))
+            if holder.draining:
+                self.context.metrics.drain_handoffs_by["lost"].inc()
+            if outcome.params is not None:
+                self.context.release_later(holder, key, claimed=True)
+            self.context.metrics.fallbacks_by[plan.reason].inc()
+            unreachable = outcome.reason == "holder-unreachable"
+            return Reuse(plan, avoid=holder if unreachable else None)
         if plan.local:
             # The holder's prefix cache serves whole blocks of the verified prefix; the last
-            # prompt token is always computed.
+            # prompt token is always computed. The turn's new lease supersedes the claimed one.
             covered = digest_tokens if uncounted else min(digest_tokens, max(0, prompt_tokens - 1))
             if holder.block_size:
                 covered -= covered % holder.block_size
@@ -194,16 +208,6 @@ class ReuseStep:
                 reused_tokens=covered,
                 uncounted=uncounted,
             )
-        outcome = await self.context.leases.claim(holder.control_url, key)
-        if outcome.params is None or not self.usable(outcome.params):
-            plan = TurnPlan("recompute", GONE_REASONS.get(outcome.reason, "kv-gone"))
-            if holder.draining:
-                self.context.metrics.drain_handoffs_by["lost"].inc()
-            if outcome.params is not None:
-                self.context.release_later(holder, key, claimed=True)
-            self.context.metrics.fallbacks_by[plan.reason].inc()
-            unreachable = outcome.reason == "holder-unreachable"
-            return Reuse(plan, avoid=holder if unreachable else None)
         params = outcome.params
         params["remote_host"] = holder.host
         return Reuse(plan, params, claimed=(holder, key))

@@ -121,7 +121,7 @@ class TurnRunner:
             except DecodeFailed as failure:
                 failed = self.decoder.failed(failure)
                 if reuse.previous_key is not None:
-                    self.context.release_later(reuse.holder, reuse.previous_key)
+                    self.context.release_later(reuse.holder, reuse.previous_key, claimed=True)
                 reuse = self.decoder.failed_reuse()
         return await self._through_pd(turn, taken, reuse, failed)
 

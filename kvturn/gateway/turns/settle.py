@@ -106,10 +106,11 @@ class Settlement:
         self.context.metrics.kv_bytes_moved_by[plan.plan].inc(moved * decode.kv_bytes_per_token)
 
     def count_tokens(self, prefilled: PrefillResult) -> None:
+        computed = max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
         self.context.metrics.reused_tokens.inc(prefilled.reused_tokens)
-        self.context.metrics.recomputed_tokens.inc(
-            max(0, prefilled.prompt_tokens - prefilled.reused_tokens)
-        )
+        self.context.metrics.recomputed_tokens.inc(computed)
+        if prefilled.plan.local:
+            self.context.metrics.local_suffix_tokens.inc(computed)
 
     def learn_first_token(self, prefilled: PrefillResult, decode: Instance, seconds: float) -> None:
         """A streamed turn's first token: what decode added after prefill (or, locally,
@@ -182,10 +183,11 @@ class Settlement:
                 and await self.context.leases.published(target, request_id, wait_s)
             ):
                 await self.context.leases.release(target, request_id)
-            if after.supersedes is not None and retained is None and target is not None:
-                # A decode-local turn that left nothing behind: its new lease would have
-                # superseded the previous one; free that now instead.
-                await self.context.leases.release(target, after.supersedes)
+            if after.supersedes is not None and target is not None:
+                # A decode-local turn's claim on the previous lease ends: its new lease
+                # superseded it (freed now that no claim holds it), or, where the turn left
+                # nothing behind, it is freed now.
+                await self.context.leases.release(target, after.supersedes, claimed=True)
             if retained is not None and holder is not None:
                 holder.block_size = int(retained.get(BLOCK_SIZE_KEY) or holder.block_size)
                 holder.kv_bytes_per_token = int(
