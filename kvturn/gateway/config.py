@@ -126,8 +126,11 @@ class GatewayConfig:
     #: The longest a whole streamed reply may last, seconds (0: no cap).
     max_stream_s: float = 0.0
     #: How many times one streamed reply may move to another engine when its decode's stream
-    #: breaks off mid-reply (:mod:`kvturn.gateway.turns.migrate`); 0: never (an error event).
+    #: breaks off or hangs mid-reply (:mod:`kvturn.gateway.turns.migrate`); 0: never (an error
+    #: event).
     migration_limit: int = 2
+    #: Seconds between health checks of every engine; also how long a migratable stream whose
+    #: engine they marked unhealthy may send nothing before it moves (a hung engine).
     health_interval_s: float = 2.0
     #: How long to wait, after a decode reply ends, for its connector to publish the retained KV.
     publish_wait_s: float = 0.5

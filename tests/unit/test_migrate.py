@@ -5,10 +5,14 @@ is ``tests/test_fault_matrix.py``.)"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import orjson
+import pytest
 
+from kvturn.gateway.pools import Instance
 from kvturn.gateway.turns.migrate import (
     Ledger,
     Migration,
@@ -17,6 +21,7 @@ from kvturn.gateway.turns.migrate import (
     migratable,
 )
 from kvturn.gateway.turns.model import Turn
+from kvturn.gateway.turns.relay import HangWatch
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -146,7 +151,8 @@ def test_the_seam_reshapes_completion_chunks_as_the_original_chat_stream() -> No
         {"id": "cmpl-9", "object": "text_completion", "choices": [
             {"index": 0, "text": "", "token_ids": [10], "finish_reason": "length"}]},
         {"id": "cmpl-9", "object": "text_completion", "choices": [],
-         "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}},
+         "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                   "prompt_tokens_details": {"cached_tokens": 2}}},
     ]  # fmt: skip
     data = b"".join(event(p) for p in cont) + b"data: [DONE]\n\n"
     out, broke = seam.feed(data)
@@ -156,8 +162,10 @@ def test_the_seam_reshapes_completion_chunks_as_the_original_chat_stream() -> No
     assert [p["id"] for p in sent[:-1]] == ["chatcmpl-1"] * 3
     assert sent[0]["choices"][0]["delta"] == {"content": " more"}
     assert sent[1]["choices"][0]["finish_reason"] == "length"
-    # Every reply token counted once, the original prompt as the prompt.
-    assert sent[2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    # Every reply token counted once, the original prompt as the prompt; of it, what the
+    # continuation's engine did not compute (its cached tokens also count the reply so far).
+    assert sent[2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
+                                "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
     assert ledger.reply_ids == [7, 8, 9, 10] and not ledger.resumable
 
 
@@ -190,3 +198,30 @@ async def test_a_migration_is_bounded_and_recovers_text_held_back_at_the_seam() 
     assert turn is not None and turn.resumes and turn.path == COMPLETIONS
     assert turn.body["prompt"] == [1, 65, 66]
     assert migration.continuation() is None  # the bound: one move
+
+
+async def test_a_hung_engines_read_is_called_off_and_a_flowing_stream_never_is() -> None:
+    """A read from an engine that health checks marked unhealthy and that sent nothing for
+    the quiet time is called off (the reply then continues elsewhere); one from a healthy
+    engine, or from an unhealthy one whose tokens still flow, waits as long as it takes."""
+    engine = Instance("http://decode")
+    watch = HangWatch(quiet_s=0.3, every_s=0.05)
+    try:
+
+        async def token(after_s: float) -> bytes:
+            await asyncio.sleep(after_s)
+            return b"data: {}\n\n"
+
+        # Healthy: a slow token is waited for.
+        assert await watch.read(lambda: engine, token(0.5)) == b"data: {}\n\n"
+        # Marked unhealthy (a busy engine's health check timed out), tokens still flowing.
+        engine.healthy = False
+        for _ in range(8):
+            assert await watch.read(lambda: engine, token(0.1))
+        # Then nothing comes: called off once the stream was quiet for 0.3 s.
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await watch.read(lambda: engine, asyncio.Event().wait())
+        assert 0.25 <= time.monotonic() - started < 1.0
+    finally:
+        watch.close()

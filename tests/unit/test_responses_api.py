@@ -65,6 +65,7 @@ async def test_input_items_become_chat_messages_as_vllm_builds_them() -> None:
         ],
         "max_output_tokens": 7,
         "temperature": 0,
+        "ignore_eos": True,  # a vLLM extra its Responses server takes too
         "tools": [TOOL],
         "tool_choice": {"type": "function", "name": "lookup"},
     }
@@ -88,7 +89,7 @@ async def test_input_items_become_chat_messages_as_vllm_builds_them() -> None:
         {"role": "assistant", "content": "Two."},
         {"role": "user", "content": [{"type": "text", "text": "thanks"}]},
     ]
-    assert t.chat["max_tokens"] == 7 and t.chat["temperature"] == 0
+    assert t.chat["max_tokens"] == 7 and t.chat["temperature"] == 0 and t.chat["ignore_eos"]
     assert t.chat["tools"] == [
         {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
     ]

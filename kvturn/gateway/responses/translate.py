@@ -22,7 +22,7 @@ RESPONSES_PATH = "/v1/responses"
 _PASSED_ON = (
     "model", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "cache_salt", "user",
-    "prompt_cache_key", "stop", "logit_bias", "top_logprobs",
+    "prompt_cache_key", "stop", "logit_bias", "top_logprobs", "stop_token_ids", "ignore_eos",
 )  # fmt: skip
 
 

@@ -286,6 +286,8 @@ class Decoder:
             sending.spans,
             head=head,
             migration=migration,
+            # Nothing from a hung engine for as long as health checks take to find it.
+            hang_quiet_s=self.context.config.health_interval_s,
         )
         return Reply(200, headers=response_headers, stream=relay)
 

@@ -1,7 +1,8 @@
 """A stream that survives its engine: when decode's stream breaks off after the reply has begun
-(its connection lost, or an error event of a failure), the same client stream continues on
-another engine from the prompt plus the tokens already sent, as Dynamo's request migration
-does (``--migration-limit``).
+(its connection lost, or an error event of a failure) or its engine hangs (health checks mark
+it unhealthy and nothing came for a health interval: :class:`~.relay.HangWatch`), the same
+client stream continues on another engine from the prompt plus the tokens already sent, as
+Dynamo's request migration does (``--migration-limit``).
 
 Exactness rests on token ids, never on re-tokenized text: a migratable stream asks its engine
 for them (vLLM's ``return_token_ids``: the prompt's ids in the first chunk, each chunk's new
@@ -273,10 +274,18 @@ class Seam:
                 return b""
             prompt = len(ledger.prompt_ids or ())
             usage = {
+                **payload["usage"],
                 "prompt_tokens": prompt,
                 "completion_tokens": len(ledger.reply_ids),
                 "total_tokens": prompt + len(ledger.reply_ids),
             }
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and "cached_tokens" in details:
+                # As vLLM counts them for any P/D reply (prefill's own prefix-cache hits, which
+                # decode reports), of the original prompt: the continuation's prompt also
+                # holds the reply so far.
+                cached = min(int(details["cached_tokens"] or 0), prompt)
+                usage["prompt_tokens_details"] = {**details, "cached_tokens": cached}
             return self._event({**shape, "choices": [], "usage": usage})
         choices = []
         for choice in payload.get("choices") or ():

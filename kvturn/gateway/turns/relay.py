@@ -1,12 +1,15 @@
 """Decode's streamed reply on its way to the client: the first token observed (TTFT, and what
 decode added after prefill), the turn counted, and its reply settled when the stream ends or
-is closed; and calling off a decode request whose reply the client will never see."""
+is closed; a migratable reply continued on another engine when its own breaks off or hangs
+(:mod:`.migrate`); and calling off a decode request whose reply the client will never see."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import orjson
 
@@ -97,6 +100,49 @@ def _says(event: bytes) -> str:
     return "role"
 
 
+T = TypeVar("T")
+
+
+class HangWatch:
+    """Calls off a stream's read once its engine hangs: health checks mark it unhealthy (a
+    hung engine answers none of them) and it has sent nothing for ``quiet_s``. A stream whose
+    tokens still flow is never called off, whatever its engine's health checks say (an engine
+    too busy to answer one in time is no hung engine). One task a stream, waking every
+    ``every_s``; a read it calls off raises :class:`TimeoutError`."""
+
+    def __init__(self, quiet_s: float, every_s: float = 0.5):
+        self.quiet_s = quiet_s
+        self.every_s = every_s
+        #: When the stream last sent something (or began).
+        self.last = time.monotonic()
+        self._reading: asyncio.Timeout | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def read(self, engine: Callable[[], Instance], chunk: Awaitable[T]) -> T:
+        """``chunk``, read from ``engine()`` (the engine the stream is on now)."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._watch(engine))
+        try:
+            async with asyncio.timeout(None) as self._reading:
+                got = await chunk
+        finally:
+            self._reading = None
+        self.last = time.monotonic()
+        return got
+
+    async def _watch(self, engine: Callable[[], Instance]) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            reading = self._reading
+            quiet = time.monotonic() - self.last
+            if reading is not None and not engine().healthy and quiet >= self.quiet_s:
+                reading.reschedule(asyncio.get_running_loop().time())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class Relay:
     """Decode's streamed reply on its way to the client (a
     :class:`~kvturn.gateway.replies.ReplyStream`): observes TTFT at the first chunk; when the
@@ -115,6 +161,7 @@ class Relay:
         spans: tracing.DecodeSpans | None = None,
         head: list[bytes] | None = None,
         migration: Migration | None = None,
+        hang_quiet_s: float = 2.0,
     ):
         #: What :func:`reply_start` read already, relayed first.
         self.head = list(head or ())
@@ -137,6 +184,8 @@ class Relay:
         self.migration = migration
         self.continued: ReplyStream | None = None
         self.continued_on: Instance | None = None
+        #: A migratable reply's engine that hangs is left, as one whose stream broke off.
+        self.hangs = HangWatch(hang_quiet_s) if migration is not None else None
         #: A failure seen after events that went out first: (why, engine unreachable).
         self.failure: tuple[str, bool] | None = None
 
@@ -191,15 +240,19 @@ class Relay:
             failure, self.failure = self.failure, None
             if failure is None:
                 raw: bytes | None
+                assert self.hangs is not None
                 try:
                     if self.head:
                         raw = self.head.pop(0)
                     elif self.continued is not None:
-                        raw = await self.continued.next_chunk()
+                        raw = await self.hangs.read(self._engine, self.continued.next_chunk())
                     else:
-                        raw = await next_chunk(self.upstream)
+                        raw = await self.hangs.read(self._engine, next_chunk(self.upstream))
                 except UpstreamUnavailable as error:
                     failure = (str(error), True)
+                except TimeoutError:
+                    quiet = self.hangs.quiet_s
+                    failure = (f"marked unhealthy, and nothing came for {quiet:g} s", True)
                 else:
                     if raw is None and migration.ledger.done:
                         return None
@@ -224,11 +277,15 @@ class Relay:
             if held:
                 return migration.seam.text_event(held)
 
+    def _engine(self) -> Instance:
+        """The engine the reply is coming from now."""
+        return self.continued_on or self.instance
+
     async def _migrate(self, migration: Migration, why: str, unreachable: bool) -> bool:
         """Continue the reply on another engine; whether it does."""
         context = self.settlement.context
         context.metrics.upstream_errors_by["decode"].inc()
-        broken_on = self.continued_on or self.instance
+        broken_on = self._engine()
         if unreachable:
             broken_on.healthy = False  # health checks bring it back once it answers
         turn = migration.continuation()
@@ -268,6 +325,8 @@ class Relay:
         if self.closed:
             return
         self.closed = True
+        if self.hangs is not None:
+            self.hangs.close()
         completed = (self.upstream.at_end or self.done) and not self.broken
         if self.continued is not None:
             completed = False  # decode's own stream broke: it keeps nothing of the turn
