@@ -113,8 +113,9 @@ class HangWatch:
     def __init__(self, quiet_s: float, every_s: float = 0.5):
         self.quiet_s = quiet_s
         self.every_s = every_s
-        #: When the stream last sent something (or began).
-        self.last = time.monotonic()
+        #: When the read under way began: how long its engine has sent nothing (the time a
+        #: slow client took between reads is no engine's silence).
+        self.since = time.monotonic()
         self._reading: asyncio.Timeout | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -122,19 +123,18 @@ class HangWatch:
         """``chunk``, read from ``engine()`` (the engine the stream is on now)."""
         if self._task is None:
             self._task = asyncio.ensure_future(self._watch(engine))
+        self.since = time.monotonic()
         try:
             async with asyncio.timeout(None) as self._reading:
-                got = await chunk
+                return await chunk
         finally:
             self._reading = None
-        self.last = time.monotonic()
-        return got
 
     async def _watch(self, engine: Callable[[], Instance]) -> None:
         while True:
             await asyncio.sleep(self.every_s)
             reading = self._reading
-            quiet = time.monotonic() - self.last
+            quiet = time.monotonic() - self.since
             if reading is not None and not engine().healthy and quiet >= self.quiet_s:
                 reading.reschedule(asyncio.get_running_loop().time())
 
