@@ -79,7 +79,9 @@ class GatewayMetrics:
             "kvturn_reused_tokens", "Prompt tokens whose KV was pulled, not recomputed", registry=r
         )
         self.recomputed_tokens = Counter(
-            "kvturn_recomputed_tokens", "Prompt tokens prefill computed", registry=r
+            "kvturn_recomputed_tokens",
+            "Prompt tokens the engines computed (prefill's, and a decode-local turn's suffix)",
+            registry=r,
         )
         self.local_suffix_tokens = Counter(
             "kvturn_local_suffix_tokens",

@@ -1,9 +1,9 @@
 """Reuse, the planner-facing step of a turn: which conversation it continues (by its id, or
 found by its messages: :mod:`kvturn.gateway.state.implicit`), what the table gives it, and how it
-uses the conversation's previous KV: ``decode-local`` on the holder, ``pull-reuse`` (the lease
-claimed for prefill to read), or ``recompute`` (the old lease freed). The arithmetic of the
-choice is :mod:`kvturn.gateway.planner`'s; this step gathers its inputs (the prompt's tokens,
-asked of an engine, or a bound on them: :mod:`kvturn.gateway.extension`)."""
+uses the conversation's previous KV: ``decode-local`` on the holder, ``pull-reuse`` (prefill
+reads it), each claiming the lease until it ends, or ``recompute`` (the old lease freed). The
+arithmetic of the choice is :mod:`kvturn.gateway.planner`'s; this step gathers its inputs (the
+prompt's tokens, asked of an engine, or a bound on them: :mod:`kvturn.gateway.extension`)."""
 
 from __future__ import annotations
 
