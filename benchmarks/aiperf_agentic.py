@@ -515,6 +515,15 @@ def ratio(mine: list[float], base: list[float]) -> str:
     return f"**{text}**" if pairs[-1] < 1.0 else text
 
 
+def _medians(by_mode: dict[str, list[dict[str, Any]]], key: str) -> list[str]:
+    """``mode median`` of a run field, for each mode whose runs recorded it."""
+    return [
+        f"{mode} {statistics.median(values):.0f}"
+        for mode, mine in by_mode.items()
+        if (values := [r[key] for r in mine if r.get(key) is not None])
+    ]
+
+
 def report(results: list[dict[str, Any]], argv: list[str], date: str, notes: str = "") -> str:
     lines = [
         "# kvturn against the strongest baselines: AIPerf's agentic-coding workload",
@@ -588,24 +597,14 @@ def report(results: list[dict[str, Any]], argv: list[str], date: str, notes: str
                     f"{k} {statistics.mean(c.get(k, 0) for c in counted):.0f}" for k in keys
                 )
                 lines.append(f"{mode}'s turns a run (mean): {cells}.")
-        engine_side = [
-            f"{mode} {statistics.median(decode):.0f}"
-            for mode, mine in by_mode.items()
-            if (decode := [r["decode_prompt_tokens"] for r in mine
-                           if r.get("decode_prompt_tokens") is not None])
-        ]  # fmt: skip
+        engine_side = _medians(by_mode, "decode_prompt_tokens")
         if engine_side:
             lines.append(
                 "Prompt tokens decode computed a run (median; vLLM's own step counts: "
                 "`vllm:iteration_tokens_total` less its generated tokens): "
                 + ", ".join(engine_side) + "."
             )  # fmt: skip
-        planned = [
-            f"{mode} {statistics.median(local):.0f}"
-            for mode, mine in by_mode.items()
-            if (local := [r["local_suffix_tokens"] for r in mine
-                          if r.get("local_suffix_tokens") is not None])
-        ]  # fmt: skip
+        planned = _medians(by_mode, "local_suffix_tokens")
         if planned:
             lines.append(
                 "Of which decode-local turns were planned to compute (the gateway's "

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -285,6 +285,54 @@ def _gateway_request(
     return got
 
 
+def _replies_through_a_fault(
+    gateway_url: str,
+    requests: dict[str, tuple[str, dict[str, Any]]],
+    idle_decode: Any,
+    fault: Callable[[], None],
+    undo: Callable[[], None] = lambda: None,
+) -> dict[str, dict[str, Any]]:
+    """Every request at once through the gateway while ``idle_decode`` counts as busy, so each
+    lands on the other decode (the gateway picks the least loaded; a health check would undo
+    a mark of "down"); once every stream has begun and run a moment more, ``fault`` strikes
+    that decode; the replies, then ``undo``."""
+    streamed = [name for name, (_, body) in requests.items() if body.get("stream")]
+    started = {name: threading.Event() for name in requests}
+    idle_decode.in_flight += 100
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = {
+            name: pool.submit(_gateway_request, gateway_url, path, body, started[name])
+            for name, (path, body) in requests.items()
+        }
+        for name in streamed:
+            assert started[name].wait(TURN_BOUND_S), f"{name}: no reply began"
+        idle_decode.in_flight -= 100
+        # Every stream has begun (a stream of mostly held-back bytes sends few events); a
+        # moment more and each is well into its 400 tokens.
+        time.sleep(1.0)
+        fault()
+        try:
+            return {name: future.result(TURN_BOUND_S) for name, future in futures.items()}
+        finally:
+            undo()
+
+
+def _text_failure(name: str, got: str, want: str) -> str | None:
+    """Where a text-only reply differs from one engine alone's: the failure, or ``None`` (a
+    warning) where invalid UTF-8 at the seam is the cause: the tiny model's random bytes are
+    invalid UTF-8, and the continuation's detokenizer (tokenizers' DecodeStream, primed with
+    the whole prompt) renders the characters after such a seam differently. The ids are exact
+    (the streams that asked for them)."""
+    if got == want:
+        return None
+    report = f"{name}: text {_divergence(got, want)}"
+    at = _first_difference(got, want)
+    if "\ufffd" not in want[max(0, at - 8) : at + 8]:
+        return report
+    warnings.warn(f"{report}: invalid UTF-8 (U+FFFD) at the seam", stacklevel=2)
+    return None
+
+
 def test_decode_hung_mid_stream_every_reply_continues_on_another_engine(
     local_pair: LocalPair, extra_decode: dict[str, Any]
 ) -> None:
@@ -319,23 +367,13 @@ def test_decode_hung_mid_stream_every_reply_continues_on_another_engine(
     every = {**requests, "responses": ("/v1/responses", responses)}
     with running_gateway(config) as gateway:
         decodes = {i.url: i for i in gateway.app.state.gateway.decode.instances}
-        decodes[local_pair.decode_url].in_flight += 100  # every request on the extra decode
-        started = {name: threading.Event() for name in every}
-        with ThreadPoolExecutor(len(every)) as pool:
-            futures = {
-                name: pool.submit(_gateway_request, gateway.url, path, body, started[name])
-                for name, (path, body) in every.items()
-            }
-            for name in every:
-                assert started[name].wait(TURN_BOUND_S), f"{name}: no reply began"
-            decodes[local_pair.decode_url].in_flight -= 100
-            time.sleep(1.0)
-            assert engine.pid is not None
-            os.killpg(engine.pid, signal.SIGSTOP)
-            try:
-                replies = {name: future.result(TURN_BOUND_S) for name, future in futures.items()}
-            finally:
-                os.killpg(engine.pid, signal.SIGCONT)
+        assert engine.pid is not None
+        pid = engine.pid
+        replies = _replies_through_a_fault(
+            gateway.url, every, decodes[local_pair.decode_url],
+            fault=lambda: os.killpg(pid, signal.SIGSTOP),
+            undo=lambda: os.killpg(pid, signal.SIGCONT),
+        )  # fmt: skip
         for name, (path, body) in requests.items():
             got, want = replies[name], _reference(local_pair, path, body)
             assert got["error"] is None, f"{name}: {got['error']}"
@@ -348,11 +386,8 @@ def test_decode_hung_mid_stream_every_reply_continues_on_another_engine(
         got = replies["responses"]
         want = _reference(local_pair, "/v1/chat/completions", responses_reference)
         assert got["error"] is None, got["error"]
-        if got["text"] != want["text"]:  # text only: see the kill test below
-            report = f"responses: text {_divergence(got['text'], want['text'])}"
-            at = _first_difference(got["text"], want["text"])
-            assert "\ufffd" in want["text"][max(0, at - 8) : at + 8], report
-            warnings.warn(f"{report}: invalid UTF-8 (U+FFFD) at the seam", stacklevel=1)
+        failure = _text_failure("responses", got["text"], want["text"])
+        assert failure is None, failure
         assert got["usage"]["output_tokens"] == len(want["ids"]), got["usage"]
         continued = metric(
             gateway.url + "/metrics", 'kvturn_stream_migrations_total{outcome="continued"}'
@@ -375,9 +410,6 @@ def test_decode_killed_mid_stream_every_reply_continues_on_another_engine(
     model = local_pair.model
     with running_gateway(_two_decode_config(local_pair, spec)) as gateway:
         decodes = {i.url: i for i in gateway.app.state.gateway.decode.instances}
-        # Every request on the extra decode: the other counts as busy until the kill (the
-        # gateway picks the least loaded decode; a health check would undo a mark of "down").
-        decodes[local_pair.decode_url].in_flight += 100
         common = {"model": model, "max_tokens": MIGRATED_TOKENS, "temperature": 0,
                   "ignore_eos": True}  # fmt: skip
         usage = {"stream_options": {"include_usage": True}}
@@ -397,20 +429,10 @@ def test_decode_killed_mid_stream_every_reply_continues_on_another_engine(
                 **common, "prompt": long_prompt(500, "sluices"), "return_token_ids": True}),
         }  # fmt: skip
         streamed = [name for name, (_, body) in requests.items() if body.get("stream")]
-        started = {name: threading.Event() for name in requests}
-        with ThreadPoolExecutor(len(requests)) as pool:
-            futures = {
-                name: pool.submit(_gateway_request, gateway.url, path, body, started[name])
-                for name, (path, body) in requests.items()
-            }
-            for name in streamed:
-                assert started[name].wait(TURN_BOUND_S), f"{name}: no reply began"
-            decodes[local_pair.decode_url].in_flight -= 100
-            # Every stream has begun (a stream of mostly held-back bytes sends few events);
-            # a moment more and each is well into its 400 tokens.
-            time.sleep(1.0)
-            extra_decode["engine"].stop(grace_s=0)  # SIGTERM, then SIGKILL at once
-            replies = {name: future.result(TURN_BOUND_S) for name, future in futures.items()}
+        replies = _replies_through_a_fault(
+            gateway.url, requests, decodes[local_pair.decode_url],
+            fault=lambda: extra_decode["engine"].stop(grace_s=0),  # SIGTERM, SIGKILL at once
+        )  # fmt: skip
 
         failures = []
         for name, (path, body) in requests.items():
@@ -424,17 +446,8 @@ def test_decode_killed_mid_stream_every_reply_continues_on_another_engine(
             if body.get("return_token_ids"):
                 if got["ids"] != want["ids"]:
                     failures.append(f"{name}: ids {_divergence(got['ids'], want['ids'])}")
-            elif got["text"] != want["text"]:
-                report = f"{name}: text {_divergence(got['text'], want['text'])}"
-                at = _first_difference(got["text"], want["text"])
-                if "\ufffd" in want["text"][max(0, at - 8) : at + 8]:
-                    # The cause, reported: the tiny model's random bytes are invalid UTF-8,
-                    # and the continuation's detokenizer (tokenizers' DecodeStream, primed
-                    # with the whole prompt) renders the characters after such a seam
-                    # differently. The ids are exact (the streams that asked for them).
-                    warnings.warn(f"{report}: invalid UTF-8 (U+FFFD) at the seam", stacklevel=1)
-                else:
-                    failures.append(report)
+            elif (failure := _text_failure(name, got["text"], want["text"])) is not None:
+                failures.append(failure)
         assert not failures, failures
         continued = metric(
             gateway.url + "/metrics", 'kvturn_stream_migrations_total{outcome="continued"}'
