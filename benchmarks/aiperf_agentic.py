@@ -38,12 +38,13 @@ whichever mode goes first).
     goes through P/D. No leases, no release, no SDK.
 ``kvturn``
     kvturn's gateway as shipped, in front of the same engines, the same session header.
-``kvturn-budget-5ms``, ``kvturn-no-budget``, ``kvturn-pull-only``
+``kvturn-budget-5ms``, ``kvturn-no-budget``, ``kvturn-pull-only``, ``kvturn-no-priority``
     (alternatives, measured to choose the default: :data:`ALTERNATIVES`) another kvturn
     gateway (``kvturn serve``) on the same engines, one per alternative a run names, with its
     flags: ``--local-stall-budget-s 0.005`` (a busy holder's suffix is computed on prefill
     unless its compute fits 5 ms), ``--local-stall-budget-s inf`` (no budget), ``--decode-local
-    off`` (every returning turn pulls its history into prefill; decode computes no prompt).
+    off`` (every returning turn pulls its history into prefill; decode computes no prompt),
+    ``--pull-priority 0`` (a pull's prefill waits its turn behind the recomputes queued there).
 
 Each run records AIPerf's TTFT p50/p90, inter-token latency p50/p99, request latency p50/p90
 and the job (AIPerf's benchmark duration); the engines' prompt tokens by source (computed,
@@ -105,6 +106,7 @@ ALTERNATIVES = {
     "kvturn-budget-5ms": (28050, ("--local-stall-budget-s", "0.005")),
     "kvturn-no-budget": (28051, ("--local-stall-budget-s", "inf")),
     "kvturn-pull-only": (28052, ("--decode-local", "off")),
+    "kvturn-no-priority": (28053, ("--pull-priority", "0")),
 }
 AFFINITY_PORT = 29400
 BIDIRECTIONAL_PORT = 29500

@@ -81,6 +81,8 @@ COUNTS = {"prefill": 0, "decode": 0, "abandoned": 0, "in_flight": 0, "peak_in_fl
 REQUIRED_KEY: str | None = None
 #: The ``cache_salt`` of the last prefill and the last decode request (tenant isolation tests).
 LAST_CACHE_SALT: dict[str, str | None] = {"prefill": None, "decode": None}
+#: The scheduling priority of every prefill request, in order (vLLM's default 0 where unset).
+PREFILL_PRIORITIES: list[int] = []
 #: The request id and trace headers of the last prefill and the last decode request.
 LAST_HEADERS: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
 #: The lease the gateway last asked for: with a decode request (``retain``) and a renewal.
@@ -468,6 +470,7 @@ async def _serve(scope: Scope, receive: Any, send: Any) -> None:
         where = f"prefill:{scope['server'][1]}"  # which engine (port) prefilled
         COUNTS[where] = COUNTS.get(where, 0) + 1
         LAST_CACHE_SALT["prefill"] = body.get("cache_salt")
+        PREFILL_PRIORITIES.append(int(body.get("priority", 0)))
         LAST_HEADERS["prefill"] = _recorded(scope)
         own = 0
         if PREFILL_PREFIX_CACHING:

@@ -72,6 +72,12 @@ class GatewayConfig:
     #: :class:`kvturn.gateway.planner.LocalLimits`): past it, a busy holder's turn is pulled.
     #: Off (infinite) by default, as measured there.
     local_stall_budget_s: float = math.inf
+    #: vLLM scheduling priority of a pull-reuse turn's prefill request (lower runs sooner;
+    #: 0: none). Such a request computes only the turn's new suffix: on an engine started
+    #: with ``--scheduling-policy priority`` (as kvturn's launchers start prefill engines) it
+    #: runs before the whole-history recomputes waiting there, instead of behind them. An
+    #: engine on vLLM's default first-come policy ignores it.
+    pull_priority: int = -1
     #: Requests without a conversation id that extend a recent turn's messages and reply are
     #: served as that conversation's next turn.
     implicit_conversations: bool = True
@@ -261,7 +267,7 @@ class GatewayConfig:
             "health_interval_s": float, "publish_wait_s": float,
             "max_local_suffix_tokens": int, "max_local_running": int,
             "local_stall_weight": float, "local_preference": float, "decode_local": parse_flag,
-            "local_stall_budget_s": float,
+            "local_stall_budget_s": float, "pull_priority": int,
             "implicit_conversations": parse_flag, "shared_prefixes": parse_flag, "state": str,
             "state_timeout_s": float,
             "decode_control_port": int, "transfer": str, "push_write_timeout_s": float,

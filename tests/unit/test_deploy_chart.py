@@ -383,6 +383,20 @@ def test_prefill_keeps_vllms_prefix_cache_unless_turned_off(chart: helm_python.C
     assert "--no-enable-prefix-caching" not in _container(off.one("StatefulSet", "decode"))["args"]
 
 
+def test_prefill_schedules_by_priority_as_kvturns_launcher_starts_it(
+    chart: helm_python.Chart,
+) -> None:
+    """A pull's prefill request (a short suffix) carries the gateway's ``pull_priority``;
+    it only counts on a prefill engine scheduling by priority, the chart's as the launcher's."""
+    default = Rendered(chart, {}, "default")
+    for role in ("prefill", "decode"):
+        flags = dict(pairwise(_container(default.one("StatefulSet", role))["args"]))
+        launcher = EngineSpec(role=role, model=Path("/model"), port=1, cpu=0, side_channel_port=2)
+        expected = dict(pairwise(launcher.command()))
+        assert flags.get("--scheduling-policy") == expected.get("--scheduling-policy")
+    assert flags.get("--scheduling-policy") is None  # decode: vLLM's default
+
+
 def test_engines_get_kvturns_connector_config_per_pool(rendered: Rendered) -> None:
     values = rendered.values
     gpu = values["gpu"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,9 @@ def test_plan_gives_each_engine_its_own_ports_and_core(tiny: Path) -> None:
     off = plan_specs(tiny, base_port=9100, prefill_prefix_caching=False)
     assert "--no-enable-prefix-caching" in off[0].command()
     assert "--no-enable-prefix-caching" not in off[1].command()
+    # Prefill schedules by priority (a pull's short suffix ahead of queued recomputes).
+    policies = [dict(pairwise(s.command())).get("--scheduling-policy") for s in specs]
+    assert policies == ["priority", None, None]
 
 
 def test_engines_load_the_kvturn_connector(tiny: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 from kvturn import control
 from kvturn.gateway.auth import scoped_key
 from kvturn.gateway.config import GatewayConfig, endpoints
+from tests import fake_engine
 from tests.gateway_fixtures import free_port, running_fake_engine, running_gateway
 
 
@@ -65,6 +66,30 @@ def test_conversation_turns_reuse_and_say_so(gateway: str) -> None:
     assert second.text.endswith("data: [DONE]\n\n")
     metrics = httpx.get(gateway + "/metrics").text
     assert 'kvturn_turns_total{plan="pull-reuse"} 1.0' in metrics
+
+
+def test_a_pull_prefills_ahead_of_recomputes_and_a_clients_priority_is_its_own(
+    fake_url: str,
+) -> None:
+    """A pull's prefill request computes only the new suffix: it goes with the configured
+    priority (vLLM runs lower first), a recompute with none (vLLM's 0), and a priority the
+    client set is passed on as it came."""
+    config = GatewayConfig(
+        prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]), pull_priority=-3
+    )
+    with running_gateway(config) as running:
+        fake_engine.PREFILL_PRIORITIES.clear()
+        ids = {"X-Conversation-Id": "prioritized"}
+        assert _chat(running.url, **ids).headers["x-kvturn-plan"] == "recompute"
+        assert _chat(running.url, tail=True, **ids).headers["x-kvturn-plan"] == "pull-reuse"
+        assert fake_engine.PREFILL_PRIORITIES == [0, -3]
+        body = {"model": "fake", "messages": [ASK, *LONG_TAIL], "priority": 5}
+        ids = {"X-Conversation-Id": "its-own"}
+        httpx.post(running.url + "/v1/chat/completions", json={**body, "messages": [ASK]},
+                   headers=ids)  # fmt: skip
+        pulled = httpx.post(running.url + "/v1/chat/completions", json=body, headers=ids)
+        assert pulled.headers["x-kvturn-plan"] == "pull-reuse"
+        assert fake_engine.PREFILL_PRIORITIES[-2:] == [5, 5]
 
 
 def test_a_conversation_is_told_the_lease_its_decode_grants(

@@ -120,6 +120,7 @@ async def _status(gateway: Gateway) -> Rendered:
             "local_stall_weight": config.local_stall_weight,
             "local_preference": config.local_preference,
             "local_stall_budget_s": config.local_stall_budget_s,
+            "pull_priority": config.pull_priority,
             "implicit_conversations": config.implicit_conversations,
             "shared_prefixes": config.shared_prefixes,
             "lease_s": config.lease_s,

@@ -73,6 +73,11 @@ _GATEWAY_TUNABLES: dict[str, tuple[Callable[[str], object], str]] = {
         "longest a local prefill may stall the holder's other streams, seconds (past it: pull; "
         "default inf, off)",
     ),
+    "pull_priority": (
+        int,
+        "vLLM priority of a pull's prefill request, which computes only the new suffix "
+        "(lower sooner; prefill engines need --scheduling-policy priority; 0: none)",
+    ),
     "implicit_conversations": (parse_flag, "on/off: find conversations of requests without id"),
     "shared_prefixes": (
         parse_flag,

@@ -23,6 +23,7 @@ from kvturn.gateway.turns.model import (
     Turn,
     passthrough,
     prefill_body,
+    prioritized,
     status_text,
 )
 from kvturn.gateway.turns.placement import choose_prefill
@@ -43,6 +44,8 @@ class Dispatch:
         params = reuse.params
         claimed = reuse.claimed
         body = prefill_body(turn.body, params)
+        if plan.pulls:
+            body = prioritized(body, self.context.config.pull_priority)
         attempts = 0
         tried: Instance | None = None
         response: UpstreamResponse | None = None

@@ -219,6 +219,16 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
     return prefill
 
 
+def prioritized(body: dict[str, Any], priority: int) -> dict[str, Any]:
+    """A pull's prefill request, which computes only the turn's new suffix, with vLLM's
+    scheduling ``priority`` (lower: sooner; ``GatewayConfig.pull_priority``): on a prefill
+    engine that schedules by priority it runs before the whole-history recomputes queued
+    there. A priority the client set is its own and kept."""
+    if priority and "priority" not in body:
+        body["priority"] = priority
+    return body
+
+
 def passthrough(status: int, payload: bytes, headers: dict[str, str] | None = None) -> Reply:
     """An engine's own answer (a 4xx the client must see), as it came."""
     return Reply(status, payload, headers or {})

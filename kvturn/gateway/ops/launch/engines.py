@@ -188,6 +188,11 @@ class EngineSpec:
             argv += ["--chat-template", str(chat_template_path())]
         if not self.prefix_caching:
             argv.append("--no-enable-prefix-caching")
+        if self.role == "prefill":
+            # The gateway sends a pull's prefill (a short suffix) with a priority
+            # (GatewayConfig.pull_priority); every other request has vLLM's default, 0, and
+            # keeps first-come order among its equals, as under vLLM's default policy.
+            argv += ["--scheduling-policy", "priority"]
         if self.enable_tools:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
         config = self.kv_transfer_config()
