@@ -217,6 +217,8 @@ def _reference(pair: LocalPair, path: str, body: dict[str, Any]) -> dict[str, An
     ref = {**body, "cache_salt": uuid.uuid4().hex, "return_token_ids": True, "stream": True}
     ids: list[int] = []
     text = ""
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
     with httpx.stream("POST", pair.prefill_url + path, json=ref, timeout=TURN_BOUND_S) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -224,7 +226,21 @@ def _reference(pair: LocalPair, path: str, body: dict[str, Any]) -> dict[str, An
             for choice in orjson.loads(line[6:]).get("choices") or ():
                 ids += choice.get("token_ids") or []
                 text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-    return {"ids": ids, "text": text}
+                _tool_calls(calls, choice)
+                finish = choice.get("finish_reason") or finish
+    return {"ids": ids, "text": text, "tool_calls": calls, "finish": finish}
+
+
+def _tool_calls(calls: dict[int, dict[str, Any]], choice: dict[str, Any]) -> None:
+    """A streamed chat choice's tool-call deltas, added up by index: every id announced for
+    the index, its name, its arguments."""
+    for call in (choice.get("delta") or {}).get("tool_calls") or ():
+        got = calls.setdefault(call["index"], {"ids": [], "name": None, "arguments": ""})
+        if call.get("id"):
+            got["ids"].append(call["id"])
+        function = call.get("function") or {}
+        got["name"] = function.get("name") or got["name"]
+        got["arguments"] += function.get("arguments") or ""
 
 
 def _first_difference(got: list[Any] | str, want: list[Any] | str) -> int:
@@ -245,7 +261,8 @@ def _gateway_request(
 ) -> dict[str, Any]:
     """A request through the gateway: the reply's ids (where asked), text, finish, usage and
     whether an error came; ``started`` is set once a streamed reply has sent its first event."""
-    got: dict[str, Any] = {"ids": [], "text": "", "finish": None, "usage": None, "error": None}
+    got: dict[str, Any] = {"ids": [], "text": "", "finish": None, "usage": None, "error": None,
+                           "tool_calls": {}}  # fmt: skip
     if not body.get("stream"):
         response = httpx.post(url + path, json=body, timeout=TURN_BOUND_S)
         data = response.json()
@@ -278,6 +295,7 @@ def _gateway_request(
                 got["text"] += (
                     (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                 )
+                _tool_calls(got["tool_calls"], choice)
                 got["finish"] = choice.get("finish_reason") or got["finish"]
             events += 1
             if events == 1:
@@ -315,6 +333,18 @@ def _replies_through_a_fault(
             return {name: future.result(TURN_BOUND_S) for name, future in futures.items()}
         finally:
             undo()
+
+
+#: A tool offered to the kill test's model.
+RECORD_TOOL = {"type": "function", "function": {
+    "name": "record_readings", "description": "Record the gauges' readings.",
+    "parameters": {"type": "object", "required": ["readings"], "properties": {"readings": {
+        "type": "array", "items": {"type": "integer"}}}}}}  # fmt: skip
+
+
+def _calls(calls: dict[int, dict[str, Any]]) -> dict[int, tuple[str | None, str]]:
+    """Tool calls by index, as (name, arguments): their ids are each engine's own."""
+    return {index: (call["name"], call["arguments"]) for index, call in calls.items()}
 
 
 def _text_failure(name: str, got: str, want: str) -> str | None:
@@ -423,6 +453,12 @@ def test_decode_killed_mid_stream_every_reply_continues_on_another_engine(
             "completion streamed": (completions_path, {
                 **common, **usage, "prompt": long_prompt(500, "weirs"), "stream": True,
                 "return_token_ids": True}),
+            # A reply that may call tools (vLLM's tool parser reads it): replayed from
+            # scratch on the other decode and relayed from the seam on (the tiny model calls
+            # none; tool-call deltas across a seam: tests/unit/test_replay.py).
+            "chat streamed, tools offered": (chat_path, {
+                **common, **usage, "messages": _history("pumping stations"), "stream": True,
+                "tools": [RECORD_TOOL], "tool_choice": "auto"}),
             "chat whole": (chat_path, {
                 **common, "messages": _history("canal locks"), "return_token_ids": True}),
             "completion whole": (completions_path, {
@@ -438,11 +474,14 @@ def test_decode_killed_mid_stream_every_reply_continues_on_another_engine(
         for name, (path, body) in requests.items():
             got, want = replies[name], _reference(local_pair, path, body)
             assert got["error"] is None, f"{name}: {got['error']}"
+            # The same calls, if any, each announced once (its id, not the reference's).
+            assert _calls(got["tool_calls"]) == _calls(want["tool_calls"]), name
+            assert all(len(call["ids"]) == 1 for call in got["tool_calls"].values()), name
             assert got["finish"] == "length", name
             assert got["usage"]["completion_tokens"] == MIGRATED_TOKENS, (name, got["usage"])
             assert got["usage"]["prompt_tokens"] + MIGRATED_TOKENS == got["usage"]["total_tokens"]
             if name in streamed:  # carried across the seam (0: prefill's cache is off here)
-                assert got["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, name
+                assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, name
             if body.get("return_token_ids"):
                 if got["ids"] != want["ids"]:
                     failures.append(f"{name}: ids {_divergence(got['ids'], want['ids'])}")

@@ -33,6 +33,7 @@ from kvturn.gateway.turns.model import (
     passthrough,
 )
 from kvturn.gateway.turns.relay import Relay, reply_start
+from kvturn.gateway.turns.replay import Replay, ReplaySeam, Sent, replayable
 from kvturn.gateway.turns.settle import After, Settlement
 from kvturn.wire import CONVERSATION_KEY, EXPIRES_IN_KEY, LEASE_KEY, PAUSE_KEY, PREFIX_DIGESTS_KEY
 
@@ -100,7 +101,7 @@ class Decoder:
         request_id = request_id or turn.engine_request_id()
         body = dict(turn.body)
         migration = self._migration(turn)
-        if migration is not None:
+        if isinstance(migration, Migration):
             body["return_token_ids"] = True  # what a continuation starts from
         params = dict(prefilled.params)
         # What decode's connector needs to lease the KV this turn leaves (or to free it at
@@ -233,7 +234,7 @@ class Decoder:
         prefilled: PrefillResult,
         after: After,
         sending: _Sending,
-        migration: Migration | None = None,
+        migration: Migration | Replay | None = None,
     ) -> Reply:
         """Decode's reply as a stream, relayed as it comes (:class:`~.relay.Relay`)."""
         url, body, upstream_headers = sending.url, sending.body, sending.headers
@@ -291,14 +292,18 @@ class Decoder:
         )
         return Reply(200, headers=response_headers, stream=relay)
 
-    def _migration(self, turn: Turn) -> Migration | None:
+    def _migration(self, turn: Turn) -> Migration | Replay | None:
         """What a streamed reply needs to continue on another engine if its decode breaks off
-        mid-way (:mod:`.migrate`), where it may."""
+        mid-way, where it may: a continuation (:mod:`.migrate`), or else a replay
+        (:mod:`.replay`)."""
         limit = self.context.config.migration_limit
         if self.resume is None or limit <= 0 or turn.resumes:
             return None
         if not migratable(turn.path, turn.body):
-            return None
+            if not replayable(turn.path, turn.body):
+                return None
+            sent = Sent()
+            return Replay(turn, sent, ReplaySeam(sent), limit, self.resume)
         ledger = Ledger(
             chat=turn.path == CHAT_PATH, client_ids=bool(turn.body.get("return_token_ids"))
         )

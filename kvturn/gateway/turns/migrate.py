@@ -14,11 +14,12 @@ computed for the turn, so only the reply so far is computed again. Its chunks re
 in the original stream's shape (:class:`Seam`): chat chunks for a chat stream, under the
 original id; the usage counts every completion token once.
 
-What a continuation cannot carry faithfully is not migrated, and such a stream that breaks
-ends with an OpenAI error event as before: more than one choice (``n``), logprobs, structured
-output, tools the model may call (the engine's tool parser holds state no continuation
-shares), presence or frequency penalties (they count the reply so far, which a continuation
-sees as prompt), completion ``echo``/``suffix``. A stop string that would span the seam is not
+What a continuation cannot carry faithfully is not continued: more than one choice (``n``),
+logprobs, structured output, tools the model may call (the engine's tool parser holds state no
+continuation shares), presence or frequency penalties (they count the reply so far, which a
+continuation sees as prompt), completion ``echo``/``suffix``. Of those, a chat reply sampled
+reproducibly is replayed from scratch instead (:mod:`.replay`); any other such stream that
+breaks ends with an OpenAI error event. A stop string that would span the seam is not
 seen. Text the engine held back (an incomplete character) is recovered at the seam by
 detokenizing the ids sent. The ids are exact; the text is the engine's rendering of them, and
 where the reply so far is bytes that are not valid UTF-8 (a model emitting U+FFFD), vLLM's
@@ -191,6 +192,10 @@ class Ledger:
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
     @property
+    def progress(self) -> str:
+        return f"{len(self.reply_ids)} tokens"
+
+    @property
     def resumable(self) -> bool:
         """The ids a continuation needs are known, and the reply is not over."""
         return self.prompt_ids is not None and not self.finished and not self.done
@@ -356,6 +361,11 @@ class Migration:
             trace_headers=turn.trace_headers, tracer=turn.tracer, resumes=True,
             digests=turn.message_digests(),
         )  # fmt: skip
+
+    async def held_event(self) -> bytes:
+        """An event of the text the engine held back at the seam (``b""``: none)."""
+        held = await self.held_text()
+        return self.seam.text_event(held) if held else b""
 
     async def held_text(self) -> str:
         """Text of the ids sent that the engine had not sent yet (held back at the seam)."""

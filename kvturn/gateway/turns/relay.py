@@ -21,6 +21,7 @@ from kvturn.gateway.pools import Instance
 from kvturn.gateway.replies import Reply, ReplyStream
 from kvturn.gateway.turns.migrate import Migration
 from kvturn.gateway.turns.model import PrefillResult
+from kvturn.gateway.turns.replay import Replay
 from kvturn.gateway.turns.settle import After, Settlement
 
 logger = logging.getLogger("kvturn.gateway")
@@ -160,7 +161,7 @@ class Relay:
         sent: float,
         spans: tracing.DecodeSpans | None = None,
         head: list[bytes] | None = None,
-        migration: Migration | None = None,
+        migration: Migration | Replay | None = None,
         hang_quiet_s: float = 2.0,
     ):
         #: What :func:`reply_start` read already, relayed first.
@@ -233,7 +234,7 @@ class Relay:
         self.broken = True
         return STREAM_BROKE
 
-    async def _migratable_chunk(self, migration: Migration) -> bytes | None:
+    async def _migratable_chunk(self, migration: Migration | Replay) -> bytes | None:
         """The next whole events of a migratable reply, from decode or, once its stream broke
         off, from the engine the reply continues on (:mod:`.migrate`)."""
         while True:
@@ -273,15 +274,15 @@ class Relay:
             why, unreachable = failure
             if not await self._migrate(migration, why, unreachable):
                 return self._broke(why, counted=True)
-            held = await migration.held_text()
+            held = await migration.held_event()
             if held:
-                return migration.seam.text_event(held)
+                return held
 
     def _engine(self) -> Instance:
         """The engine the reply is coming from now."""
         return self.continued_on or self.instance
 
-    async def _migrate(self, migration: Migration, why: str, unreachable: bool) -> bool:
+    async def _migrate(self, migration: Migration | Replay, why: str, unreachable: bool) -> bool:
         """Continue the reply on another engine; whether it does."""
         context = self.settlement.context
         context.metrics.upstream_errors_by["decode"].inc()
@@ -293,8 +294,8 @@ class Relay:
             context.metrics.migrations_by["impossible"].inc()
             return False
         logger.warning(
-            "decode's stream broke off on %s (%s) after %d tokens: continuing on another engine",
-            broken_on.url, why, len(migration.ledger.reply_ids),
+            "decode's stream broke off on %s (%s) after %s: continuing on another engine",
+            broken_on.url, why, migration.ledger.progress,
         )  # fmt: skip
         if self.continued is not None:
             await self.continued.aclose()
