@@ -78,13 +78,17 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return total
 
 
-def leased_blocks(control_urls: list[str], secret: str) -> dict[str, int]:
+def leased_blocks(
+    control_urls: list[str], secret: str, what: str = "blocks_held"
+) -> dict[str, int]:
+    """Each decode's blocks under a lease (``what``: or its live leases, ``leases``: the
+    conversations it holds); -1 where it does not answer."""
     auth = {"Authorization": f"Bearer {secret}"}
     held = {}
     for url in control_urls:
         try:
             response = httpx.get(f"{url}/kvturn/leases", headers=auth, timeout=10)
-            held[url] = int(response.json()["blocks_held"])
+            held[url] = int(response.json()[what])
         except (httpx.HTTPError, KeyError, ValueError):
             held[url] = -1  # not answering
     return held
@@ -160,6 +164,7 @@ def drain_and_stop(
     engine = victim[0]
     control = f"http://127.0.0.1:{engine.spec.control_port}"
     record["leases_at_drain"] = leased_blocks([control], secret)[control]
+    record["conversations_at_drain"] = leased_blocks([control], secret, "leases")[control]
     record["running_at_kill"] = metric(engine.spec.url, "vllm:num_requests_running")
     record["reasons_before"] = gateway_plan_reasons(gateway)
     record["handoffs_before"] = handoffs(gateway)
@@ -331,11 +336,13 @@ def report(
             "Next turns of the conversations the drained decode held, as the gateway counted "
             "them (`kvturn_drain_handoffs_total`): pulled from it while it answered, found in "
             "prefill's prefix cache already (nothing to pull: reused all the same), or lost "
-            "(it had stopped, or their KV was gone: recomputed).",
+            "(it had stopped, or their KV was gone: recomputed). Conversations leased at the "
+            "drain: the decode's live leases then (its `/kvturn/leases`); one that has no next "
+            "turn (AIPerf's conversation was over) is none of these.",
             "",
             "| repeat | requests | failed | replies running at the drain / at the SIGTERM | "
-            "continued elsewhere | leased blocks at the drain | next turns pulled | cached | "
-            "lost | reused | healthy again (s after restart) |",
+            "continued elsewhere | leased at the drain: conversations (blocks) | next turns "
+            "pulled | cached | lost | reused | healthy again (s after restart) |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in records:
@@ -345,7 +352,8 @@ def report(
             lines.append(
                 f"| {r['repeat'] + 1} | {r['requests']:.0f} | {r['errors']:.0f} | "
                 f"{r['running_at_kill']:.0f} / {r['running_at_stop']:.0f} | "
-                f"{r['migrations']['continued']:.0f} | {r['leases_at_drain']} | "
+                f"{r['migrations']['continued']:.0f} | "
+                f"{r.get('conversations_at_drain', '-')} ({r['leases_at_drain']}) | "
                 f"{h['pulled']:.0f} | {h['cached']:.0f} | {h['lost']:.0f} | {share} | "
                 f"{r['healthy_after_restart_s']} |"
             )
