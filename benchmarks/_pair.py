@@ -213,11 +213,12 @@ DECODE_WORK = (
 )
 
 
-def gateway_plans(url: str) -> dict[str, float]:
-    """The gateway's turns so far, by plan."""
+def gateway_plans(url: str, name: str = "kvturn_turns_total") -> dict[str, float]:
+    """The gateway's turns so far, by plan (``name``: another of its metrics by plan, e.g.
+    ``kvturn_ttft_seconds_sum``)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
     plans: dict[str, float] = {}
-    for labels, value in _samples(text, "kvturn_turns_total").items():
+    for labels, value in _samples(text, name).items():
         plan = labels.split('plan="', 1)[1].split('"', 1)[0]
         plans[plan] = plans.get(plan, 0.0) + value
     return plans

@@ -86,6 +86,7 @@ from _pair import (
     engine_itl_buckets,
     engine_totals,
     gateway_plan_reasons,
+    gateway_plans,
     gateway_total,
     histogram_quantile,
     interleaved,
@@ -400,6 +401,7 @@ def run_workload(
             gateway_url = urls[mode] if mode.startswith("kvturn") else urls["kvturn"]
             reasons_before = gateway_plan_reasons(gateway_url)
             local_before = gateway_total(gateway_url, LOCAL_SUFFIX)
+            ttft_before = first_tokens_by_plan(gateway_url)
             routed_before = routed(mode, urls[mode])
             print(f"   {mode} (repeat {repeat + 1}, seed {run_seed})", flush=True)
             out = work / f"{mode}-{repeat}"
@@ -411,6 +413,7 @@ def run_workload(
             steps = {k: v - work_before[k] for k, v in work_after.items()}
             reasons_after = gateway_plan_reasons(gateway_url)
             local_after = gateway_total(gateway_url, LOCAL_SUFFIX)
+            ttft_after = first_tokens_by_plan(gateway_url)
             routed_after = routed(mode, urls[mode])
             data = result["aiperf"]
             run: dict[str, Any] = {
@@ -437,6 +440,12 @@ def run_workload(
                 # Of which kvturn's decode-local turns were planned to compute (their suffixes).
                 "local_suffix_tokens": local_after - local_before if mode.startswith("kvturn")
                 else None,
+                # The gateway's own first tokens by plan in the run: [seconds, turns].
+                "ttft_by_plan": {
+                    plan: [total - ttft_before.get(plan, (0.0, 0.0))[0],
+                           turns - ttft_before.get(plan, (0.0, 0.0))[1]]
+                    for plan, (total, turns) in ttft_after.items()
+                } if mode.startswith("kvturn") else None,
                 "cpu_s": {k: round(v - cpu_before.get(k, 0.0), 1)
                           for k, v in cpu_after.items() if v - cpu_before.get(k, 0.0) >= 1.0},
             }  # fmt: skip
@@ -515,6 +524,34 @@ def ratio(mine: list[float], base: list[float]) -> str:
     middle = statistics.median(mine) / statistics.median(base)
     text = f"{middle:.2f} ({pairs[0]:.2f}-{pairs[-1]:.2f})"
     return f"**{text}**" if pairs[-1] < 1.0 else text
+
+
+def first_tokens_by_plan(url: str) -> dict[str, tuple[float, float]]:
+    """A kvturn gateway's first tokens so far by plan: (seconds in all, turns)."""
+    seconds = gateway_plans(url, "kvturn_ttft_seconds_sum")
+    turns = gateway_plans(url, "kvturn_ttft_seconds_count")
+    return {plan: (seconds[plan], turns.get(plan, 0.0)) for plan in seconds}
+
+
+def first_token_lines(by_mode: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each kvturn mode's mean first token by plan, over all its runs (its gateway's own
+    ``kvturn_ttft_seconds``: from the request's arrival to the first chunk it relayed)."""
+    lines = []
+    for mode, runs in by_mode.items():
+        totals: dict[str, list[float]] = {}
+        for run in runs:
+            for plan, (seconds, turns) in (run.get("ttft_by_plan") or {}).items():
+                total = totals.setdefault(plan, [0.0, 0.0])
+                total[0] += seconds
+                total[1] += turns
+        cells = [f"{plan} {1000 * s / n:.0f} ms ({n / len(runs):.0f} a run)"
+                 for plan, (s, n) in sorted(totals.items()) if n]  # fmt: skip
+        if cells:
+            lines.append(
+                f"{mode}'s first token by plan (mean; the gateway's `kvturn_ttft_seconds`): "
+                + ", ".join(cells) + "."
+            )  # fmt: skip
+    return lines
 
 
 def _medians(by_mode: dict[str, list[dict[str, Any]]], key: str) -> list[str]:
@@ -613,6 +650,7 @@ def report(results: list[dict[str, Any]], argv: list[str], date: str, notes: str
                 "`kvturn_local_suffix_tokens_total`; the rest is what decode's cache did not "
                 "serve as planned, or recomputed after a preemption): " + ", ".join(planned) + "."
             )  # fmt: skip
+        lines += first_token_lines(by_mode)
         for mode in [m for m in by_mode if m.startswith("kvturn")]:
             lines += [
                 "",

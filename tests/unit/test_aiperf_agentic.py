@@ -134,3 +134,20 @@ async def test_a_baseline_router_relays_decodes_stream_then_runs_what_follows() 
         relayed = [chunk async for chunk in response.body_iterator]
     assert b"".join(relayed) == b"".join(events)
     assert upstream.is_closed and ran == ["after"]
+
+
+def test_the_report_gives_each_kvturn_modes_mean_first_token_by_plan() -> None:
+    """From the gateway's own ``kvturn_ttft_seconds`` (sum and count by plan, a run's change),
+    over every run of the mode; a baseline (no gateway of its own) and older runs say none."""
+    by_mode = {
+        "kvturn": [
+            {"ttft_by_plan": {"decode-local": [3.0, 10.0], "pull-reuse": [2.0, 2.0]}},
+            {"ttft_by_plan": {"decode-local": [1.0, 10.0], "pull-reuse": [0.0, 0.0]}},
+        ],
+        "vllm-pd": [{"ttft_by_plan": None}],
+        "kvturn-no-priority": [{}],
+    }
+    assert aiperf_agentic.first_token_lines(by_mode) == [
+        "kvturn's first token by plan (mean; the gateway's `kvturn_ttft_seconds`): "
+        "decode-local 200 ms (10 a run), pull-reuse 1000 ms (1 a run)."
+    ]
