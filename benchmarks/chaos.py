@@ -78,20 +78,25 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return total
 
 
-def leased_blocks(
-    control_urls: list[str], secret: str, what: str = "blocks_held"
-) -> dict[str, int]:
-    """Each decode's blocks under a lease (``what``: or its live leases, ``leases``: the
-    conversations it holds); -1 where it does not answer."""
+def lease_stats(control_urls: list[str], secret: str) -> dict[str, dict[str, Any]]:
+    """Each decode's lease figures (its ``/kvturn/leases``: ``blocks_held``, ``leases``...);
+    ``{}`` where it does not answer."""
     auth = {"Authorization": f"Bearer {secret}"}
-    held = {}
+    stats: dict[str, dict[str, Any]] = {}
     for url in control_urls:
         try:
-            response = httpx.get(f"{url}/kvturn/leases", headers=auth, timeout=10)
-            held[url] = int(response.json()[what])
-        except (httpx.HTTPError, KeyError, ValueError):
-            held[url] = -1  # not answering
-    return held
+            stats[url] = dict(httpx.get(f"{url}/kvturn/leases", headers=auth, timeout=10).json())
+        except (httpx.HTTPError, ValueError, TypeError):
+            stats[url] = {}
+    return stats
+
+
+def leased_blocks(control_urls: list[str], secret: str) -> dict[str, int]:
+    """Each decode's blocks under a lease (-1 where it does not answer)."""
+    return {
+        url: int(stats.get("blocks_held", -1))
+        for url, stats in lease_stats(control_urls, secret).items()
+    }
 
 
 #: Set once every engine is stopped: the threads that restarted engines end then. (An engine
@@ -163,8 +168,9 @@ def drain_and_stop(
     time.sleep(args.kill_after_s)
     engine = victim[0]
     control = f"http://127.0.0.1:{engine.spec.control_port}"
-    record["leases_at_drain"] = leased_blocks([control], secret)[control]
-    record["conversations_at_drain"] = leased_blocks([control], secret, "leases")[control]
+    held = lease_stats([control], secret)[control]
+    record["leases_at_drain"] = int(held.get("blocks_held", -1))
+    record["conversations_at_drain"] = int(held.get("leases", -1))
     record["running_at_kill"] = metric(engine.spec.url, "vllm:num_requests_running")
     record["reasons_before"] = gateway_plan_reasons(gateway)
     record["handoffs_before"] = handoffs(gateway)

@@ -67,6 +67,51 @@ class SseData:
         return payloads
 
 
+class SseEvents:
+    """Server-sent events arriving in arbitrary chunks, each complete one with its data: its
+    JSON object, ``"done"`` for ``[DONE]``, or ``None`` (no data, or not a JSON object); blank
+    events left out. For a relay that passes events on (:class:`SseData` gives payloads
+    only)."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> list[tuple[bytes, Any]]:
+        events = (self._tail + chunk).split(b"\n\n")
+        self._tail = events.pop()
+        found: list[tuple[bytes, Any]] = []
+        for event in events:
+            data = b"".join(
+                line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")
+            )
+            payload: Any = None
+            if data == b"[DONE]":
+                payload = "done"
+            elif data:
+                try:
+                    payload = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    payload = None
+                if not isinstance(payload, dict):
+                    payload = None
+            if event.strip():
+                found.append((event, payload))
+        return found
+
+
+def failure_event(payload: dict[str, Any]) -> bool:
+    """Whether a stream's event reports a failure while generating (an error of a 5xx, or
+    without a code): the reply can be served again or continued elsewhere. An error about the
+    request itself (4xx) is the client's to see, relayed as it came."""
+    if "error" not in payload:
+        return False
+    error = payload["error"]
+    code = error.get("code") if isinstance(error, dict) else None
+    return not (isinstance(code, int) and code < 500)
+
+
 def error_reply(error: GatewayError) -> Reply:
     return Reply(error.status, orjson.dumps(error.body()), error.headers())
 

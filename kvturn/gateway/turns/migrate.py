@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 
 from kvturn.gateway.pools import Instance
-from kvturn.gateway.replies import Reply
+from kvturn.gateway.replies import Reply, SseEvents, failure_event
 from kvturn.gateway.tokens import CHAT_PATH, COMPLETIONS_PATH
 from kvturn.gateway.turns.model import Turn
 
@@ -115,46 +115,28 @@ class Ledger:
     text: list[str] = field(default_factory=list)
     finished: bool = False
     done: bool = False
-    #: The stream asked for usage at its end (``stream_options.include_usage``).
-    _tail: bytes = b""
+    events: SseEvents = field(default_factory=SseEvents)
 
     def feed(self, chunk: bytes) -> tuple[bytes, bool]:
         """The complete events of ``chunk`` (with what came before it), to relay; and whether
         one of them is a failure's error event (what follows it is dropped: the stream
         continues elsewhere, or ends with an error event of the gateway's)."""
-        events = (self._tail + chunk).split(b"\n\n")
-        self._tail = events.pop()
         out: list[bytes] = []
-        for event in events:
-            kept = self._event(event)
-            if kept is None:
+        for event, payload in self.events.feed(chunk):
+            if payload is not None and payload != "done" and failure_event(payload):
                 return b"".join(out), True
+            kept = self._event(event, payload)
             if kept:
                 out.append(kept)
         return b"".join(out), False
 
-    def _event(self, event: bytes) -> bytes | None:
-        """The event to relay (``b""``: nothing), or ``None`` for a failure's error event."""
-        data = b"".join(
-            line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")
-        )
-        if not data:
-            return event + b"\n\n" if event.strip() else b""
-        if data == b"[DONE]":
+    def _event(self, event: bytes, payload: Any) -> bytes:
+        """The event to relay (``b""``: nothing) for one of the stream's events and its data
+        (:class:`~kvturn.gateway.replies.SseEvents`); never a failure's."""
+        if payload == "done":
             self.done = True
-            return event + b"\n\n"
-        try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return event + b"\n\n"
-        if not isinstance(payload, dict):
-            return event + b"\n\n"
-        if "error" in payload:
-            error = payload["error"]
-            code = error.get("code") if isinstance(error, dict) else None
-            if isinstance(code, int) and code < 500:
-                return event + b"\n\n"  # about the request itself: the client's to see
-            return None
+        if not isinstance(payload, dict) or "error" in payload:
+            return event + b"\n\n"  # not a chunk, or an error about the request itself
         if self.shape is None:
             self.shape = {
                 k: payload[k] for k in ("id", "object", "created", "model") if k in payload
@@ -236,38 +218,23 @@ class Seam:
     def __init__(self, ledger: Ledger, usage: bool):
         self.ledger = ledger
         self.usage = usage
-        self._tail = b""
+        self.events = SseEvents()
 
     def feed(self, chunk: bytes) -> tuple[bytes, bool]:
         """The original stream's events for a continuation's ``chunk``, and whether it
         reported a failure (an error event of a 5xx: what follows is dropped)."""
-        events = (self._tail + chunk).split(b"\n\n")
-        self._tail = events.pop()
         out: list[bytes] = []
-        for event in events:
-            data = b"".join(
-                line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")
-            )
-            if not data:
-                continue
-            if data == b"[DONE]":
+        for event, payload in self.events.feed(chunk):
+            if payload == "done":
                 self.ledger.done = True
                 out.append(b"data: [DONE]\n\n")
                 continue
-            try:
-                payload = orjson.loads(data)
-            except orjson.JSONDecodeError:
+            if payload is None:
                 continue
-            if not isinstance(payload, dict):
-                continue
-            if "error" in payload:
-                error = payload["error"]
-                code = error.get("code") if isinstance(error, dict) else None
-                if isinstance(code, int) and code < 500:
-                    out.append(event + b"\n\n")
-                    continue
+            if failure_event(payload):
                 return b"".join(out), True
-            out.append(self.reshape(payload))
+            # An error about the request itself is the client's, as it came.
+            out.append(event + b"\n\n" if "error" in payload else self.reshape(payload))
         return b"".join(out), False
 
     def reshape(self, payload: dict[str, Any]) -> bytes:

@@ -18,7 +18,7 @@ from kvturn.gateway.digests import ReplyCollector
 from kvturn.gateway.errors import GatewayError, UpstreamError
 from kvturn.gateway.http.upstream import StreamResponse, UpstreamUnavailable, next_chunk
 from kvturn.gateway.pools import Instance
-from kvturn.gateway.replies import Reply, ReplyStream
+from kvturn.gateway.replies import Reply, ReplyStream, failure_event
 from kvturn.gateway.turns.migrate import Migration
 from kvturn.gateway.turns.model import PrefillResult
 from kvturn.gateway.turns.replay import Replay
@@ -85,9 +85,7 @@ def _says(event: bytes) -> str:
     if "error" in payload:
         # vLLM reports a failure while generating (a KV read that failed among them) as a 5xx;
         # what it says of the request itself (4xx) is the reply, relayed as it comes.
-        error = payload["error"]
-        code = error.get("code") if isinstance(error, dict) else None
-        return "more" if isinstance(code, int) and code < 500 else "error"
+        return "error" if failure_event(payload) else "more"
     if payload.get("usage"):
         return "more"
     for choice in payload.get("choices") or ():

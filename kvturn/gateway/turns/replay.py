@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from kvturn.gateway.pools import Instance
-from kvturn.gateway.replies import Reply
+from kvturn.gateway.replies import Reply, SseEvents, failure_event
 from kvturn.gateway.tokens import CHAT_PATH
 from kvturn.gateway.turns.model import Turn
 
@@ -54,38 +54,6 @@ def replayable(path: str, body: dict[str, Any]) -> bool:
     return body.get("temperature") == 0 or type(body.get("seed")) is int
 
 
-class Events:
-    """Server-sent events arriving in arbitrary chunks: each complete one with its JSON
-    payload, ``"done"`` for ``[DONE]``, or ``None`` (no data, or not a JSON object)."""
-
-    __slots__ = ("_tail",)
-
-    def __init__(self) -> None:
-        self._tail = b""
-
-    def feed(self, chunk: bytes) -> list[tuple[bytes, Any]]:
-        events = (self._tail + chunk).split(b"\n\n")
-        self._tail = events.pop()
-        found: list[tuple[bytes, Any]] = []
-        for event in events:
-            data = b"".join(
-                line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")
-            )
-            payload: Any = None
-            if data == b"[DONE]":
-                payload = "done"
-            elif data:
-                try:
-                    payload = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    payload = None
-                if not isinstance(payload, dict):
-                    payload = None
-            if event.strip():
-                found.append((event, payload))
-        return found
-
-
 @dataclass(slots=True)
 class ToolCall:
     """One tool call the client was sent, by its index: its id and name, and its arguments so
@@ -108,7 +76,7 @@ class Sent:
     tools: dict[int, ToolCall] = field(default_factory=dict)
     finished: bool = False
     done: bool = False
-    events: Events = field(default_factory=Events)
+    events: SseEvents = field(default_factory=SseEvents)
 
     def feed(self, chunk: bytes) -> tuple[bytes, bool]:
         """The complete events of ``chunk`` (with what came before it), relayed as they came;
@@ -117,7 +85,7 @@ class Sent:
         for event, payload in self.events.feed(chunk):
             if payload == "done":
                 self.done = True
-            elif payload is not None and _failure(payload):
+            elif payload is not None and failure_event(payload):
                 return b"".join(out), True
             elif payload is not None:
                 self.record(payload)
@@ -163,13 +131,13 @@ class ReplaySeam:
     def __init__(self, sent: Sent):
         self.sent = sent
         self.diverged: str | None = None
-        self.events = Events()
+        self.events = SseEvents()
         self._text: dict[str, int] = {}
         self._args: dict[int, int] = {}
 
     def restart(self) -> None:
         """A new replay: it starts from the reply's beginning again."""
-        self.events = Events()
+        self.events = SseEvents()
         self._text.clear()
         self._args.clear()
 
@@ -182,7 +150,7 @@ class ReplaySeam:
                 continue
             if payload is None:
                 continue
-            if _failure(payload):
+            if failure_event(payload):
                 return b"".join(out), True
             try:
                 event = self.reshape(payload)
@@ -270,16 +238,6 @@ def _past(sent: str, at: int, text: str, what: str) -> str:
     if not text.startswith(overlap):
         raise Diverged(f"{what} at {at}: {text[:16]!r}, sent {overlap[:16]!r}")
     return text[len(overlap) :]
-
-
-def _failure(payload: dict[str, Any]) -> bool:
-    """An error event of a failure (5xx, or without a code): the stream continues elsewhere.
-    One about the request itself (4xx) is the client's to see."""
-    error = payload.get("error")
-    if error is None:
-        return False
-    code = error.get("code") if isinstance(error, dict) else None
-    return not (isinstance(code, int) and code < 500)
 
 
 @dataclass(slots=True)
