@@ -319,7 +319,7 @@ def hook_cost(iterations: int) -> float:
     to one request and its answer (turn start, the turn's headers on the request, the answer's
     headers, the watched body read and closed, turn end with beat planning), less the same
     loop without them (making, reading and closing the request and response)."""
-    from kvturn.client._base import attempt_answered, attempt_started
+    from kvturn.client._hooks import attempt_answered, attempt_started
 
     client = make(kvturn.client.OpenAI, heartbeats=False)
     # About the dozen headers the SDK puts on a request.

@@ -3,7 +3,7 @@
 A turn ends when its reply does, and every reply, whatever the SDK makes of it (a parsed
 completion, a ``Stream``, ``with_raw_response``, ``with_streaming_response``), is read from the
 HTTP response's byte stream and ends when the HTTP client closes that stream: read to the end,
-closed early, or failed. So the client's response hook (``_base.py``) puts a watcher around
+closed early, or failed. So the client's response hook (``_hooks.py``) puts a watcher around
 each answer's ``response.stream`` (the byte stream httpx and httpx2 read a body from, the one
 a custom transport hands them): :class:`WatchedStream` for sync clients,
 :class:`AsyncWatchedStream` for async ones. It passes the bytes on unchanged, looks at them for

@@ -2,7 +2,7 @@
 
 They use only what the SDK offers for extension: constructor options, ``copy()``/
 ``with_options()``, a caller-supplied HTTP client (kvturn adds its event hooks to it, or to one
-it makes with the SDK's defaults when none is given; see ``_base.py``), and ``post()``/
+it makes with the SDK's defaults when none is given; see ``_hooks.py``), and ``post()``/
 ``delete()`` for the control calls. The two classes differ only where I/O does: a thread or a
 task beats, ``with`` or ``async with`` opens a scope, a call is awaited or not.
 """
@@ -21,7 +21,8 @@ from kvturn.control import HeartbeatRequest, heartbeat_path, release_path
 from ._base import BaseKvturnClient, ControlCall, KvturnCore
 from ._conversation import Conversation, _current
 from ._headers import new_conversation_id
-from ._heartbeats import HeartbeatTask, HeartbeatThread, ScheduledBeat, Worker
+from ._heartbeat_workers import HeartbeatTask, HeartbeatThread
+from ._heartbeats import ScheduledBeat, Worker
 
 __all__ = ["AsyncConversationScope", "AsyncOpenAI", "ConversationScope", "OpenAI"]
 

@@ -6,9 +6,9 @@ from kvturn_test_helpers import http
 
 from kvturn import headers as h
 from kvturn.client import OpenAI, Pause, conversation_id_from
-from kvturn.client._base import attempt_started
 from kvturn.client._conversation import begin_turn, finish_turn
 from kvturn.client._headers import _reseed_after_fork, _turn_rng, new_turn_id, turn_headers
+from kvturn.client._hooks import attempt_started
 
 
 def test_turn_headers_carry_the_pause_only_when_there_was_one() -> None:

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from kvturn.client import KvturnSettings
-from kvturn.client._heartbeats import HeartbeatSchedule, HeartbeatThread, ScheduledBeat
+from kvturn.client._heartbeat_workers import HeartbeatThread
+from kvturn.client._heartbeats import HeartbeatSchedule, ScheduledBeat
 
 
 class FakeClock:

@@ -56,6 +56,9 @@ def test_contract_package_is_small_and_typed() -> None:
 #: The sizes a reader can hold in mind: a module, a class (issue 36's house rules).
 MAX_GATEWAY_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
+#: Packages already held to the tighter module size issue 59 asks of every one.
+MAX_MODULE_LINES = 400
+SMALL_MODULE_PACKAGES = ("kvturn.client",)
 
 
 def _modules() -> dict[str, Path]:
@@ -112,6 +115,8 @@ def test_gateway_modules_and_every_class_stay_small() -> None:
         tree = ast.parse(path.read_text())
         lines = len(path.read_text().splitlines())
         if name.startswith("kvturn.gateway") and lines > MAX_GATEWAY_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        if name.startswith(SMALL_MODULE_PACKAGES) and lines > MAX_MODULE_LINES:
             too_long.append(f"{name}: {lines} lines")
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
