@@ -621,6 +621,8 @@ async def _wait_unless_abandoned(seconds: float, receive: Any) -> bool:
 #: The longest lease the fake's "connector" grants (as ``decoder_kv_blocks_ttl``), reported
 #: with its lease stats; None: it reports no engine facts (as before a test sets it).
 MAX_LEASE_S: float | None = None
+#: How long the fake's "connector" takes to answer a release (a busy engine's control server).
+RELEASE_DELAY_S = 0.0
 
 
 async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None:
@@ -637,6 +639,8 @@ async def _lease_route(scope: Scope, path: str, receive: Any, send: Any) -> None
         return
     key = parts[2]
     if method == "DELETE":
+        if RELEASE_DELAY_S:
+            await asyncio.sleep(RELEASE_DELAY_S)
         released = _RETAINED.pop(key, None) is not None
         _HELD.pop(key, None)  # its blocks are freed
         COUNTS["releases"] = COUNTS.get("releases", 0) + released

@@ -579,6 +579,31 @@ def test_a_short_turn_continues_on_the_holder_without_prefill(fake_url: str, str
         assert 'kvturn_kv_bytes_moved_total{plan="decode-local"} 0.0' in metrics
 
 
+def test_a_next_turn_finds_a_local_turn_recorded_however_slow_its_old_lease_is_to_free(
+    fake_url: str,
+) -> None:
+    """A decode-local turn's claim on the lease it continued ends after its reply, with one
+    control call to the holder; the turn's record (where its KV is now) does not wait on that
+    call. A busy holder answers it slowly (here 2 s, past the half second a next turn waits
+    for its conversation's record): the next turn still finds the new lease and continues on
+    it, not a turn it must share KV with (``parallel``)."""
+    from tests import fake_engine
+
+    config = GatewayConfig(prefill=endpoints([fake_url]), decode=endpoints([fake_url], [fake_url]))
+    with running_gateway(config) as gateway:
+        assert _turn(gateway.url, "slow-release").headers["x-kvturn-plan"] == "recompute"
+        _recorded(gateway, "slow-release")
+        fake_engine.RELEASE_DELAY_S = 2.0
+        try:
+            second = _turn(gateway.url, "slow-release")
+            assert second.headers["x-kvturn-plan"] == "decode-local"
+            third = _turn(gateway.url, "slow-release")
+            assert third.headers["x-kvturn-plan"] == "decode-local"
+            assert third.headers["x-kvturn-plan-reason"] == "cheaper"
+        finally:
+            fake_engine.RELEASE_DELAY_S = 0.0
+
+
 def test_only_a_decode_idle_for_a_while_is_woken_as_a_turn_starts(fake_url: str) -> None:
     """An idle decode engine steps 10 ms apart for its first 2 s of idleness and a quarter
     second apart after: a wake as a turn starts is sent to one that this gateway has sent

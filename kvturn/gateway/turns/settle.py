@@ -172,22 +172,6 @@ class Settlement:
                 retained = await self.context.leases.published(
                     holder.control_url, request_id, self.context.config.publish_wait_s
                 )
-            target = after.target_control_url
-            # The client left, or the stream broke, before the reply ended: decode keeps what
-            # an aborted turn computed (see the connector), and nobody will come back for a
-            # reply the client never saw. Free it now, not when its lease lapses.
-            wait_s = self.context.config.publish_wait_s
-            if (
-                after.incomplete
-                and target is not None
-                and await self.context.leases.published(target, request_id, wait_s)
-            ):
-                await self.context.leases.release(target, request_id)
-            if after.supersedes is not None and target is not None:
-                # A decode-local turn's claim on the previous lease ends: its new lease
-                # superseded it (freed now that no claim holds it), or, where the turn left
-                # nothing behind, it is freed now.
-                await self.context.leases.release(target, after.supersedes, claimed=True)
             if retained is not None and holder is not None:
                 holder.block_size = int(retained.get(BLOCK_SIZE_KEY) or holder.block_size)
                 holder.kv_bytes_per_token = int(
@@ -228,8 +212,29 @@ class Settlement:
             findable = self.findable(after, taken, held)
             fresh = taken.fresh and not after.marked and (held is not None or findable is not None)
             await self.record(taken, held, fresh=fresh, findable=findable)
-            if after.prefilled.uncounted is not None:
-                await self.count_after(after.prefilled, after.decode_url)
+        # After the record: the conversation's next turn may be waiting for it (it recomputes
+        # the history if the wait runs out), and nothing here changes what it records.
+        await self.free_left_over(after)
+        if after.prefilled.uncounted is not None:
+            await self.count_after(after.prefilled, after.decode_url)
+
+    async def free_left_over(self, after: After) -> None:
+        """Free what a turn left on decode that nobody will read: an aborted turn's KV, and
+        the previous lease a decode-local turn claimed."""
+        target, request_id = after.target_control_url, after.request_id
+        if target is None:
+            return
+        # The client left, or the stream broke, before the reply ended: decode keeps what
+        # an aborted turn computed (see the connector), and nobody will come back for a
+        # reply the client never saw. Free it now, not when its lease lapses.
+        wait_s = self.context.config.publish_wait_s
+        if after.incomplete and await self.context.leases.published(target, request_id, wait_s):
+            await self.context.leases.release(target, request_id)
+        if after.supersedes is not None:
+            # A decode-local turn's claim on the previous lease ends: its new lease
+            # superseded it (freed now that no claim holds it), or, where the turn left
+            # nothing behind, it is freed now.
+            await self.context.leases.release(target, after.supersedes, claimed=True)
 
     @staticmethod
     def findable(after: After, taken: Taken, held: Held | None) -> tuple[bytes, Indexed] | None:
