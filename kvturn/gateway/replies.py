@@ -44,21 +44,31 @@ class Reply:
     stream: ReplyStream | None = None
 
 
-class SseData:
-    """The ``data:`` payloads of a server-sent event stream that arrives in arbitrary chunks
-    (events may span chunks): each complete event's payload, ``[DONE]`` and blank ones left
-    out. What a payload holds (JSON, as vLLM sends it) is the caller's to parse."""
+class _SseChunks:
+    """A server-sent event stream that arrives in arbitrary chunks (events may span chunks)."""
 
     __slots__ = ("_tail",)
 
     def __init__(self) -> None:
         self._tail = b""
 
-    def feed(self, chunk: bytes) -> list[bytes]:
+    def _complete(self, chunk: bytes) -> list[bytes]:
+        """The events ``chunk`` completes (with what came before it)."""
         events = (self._tail + chunk).split(b"\n\n")
         self._tail = events.pop()
+        return events
+
+
+class SseData(_SseChunks):
+    """The ``data:`` payloads of a server-sent event stream: each complete event's payload,
+    ``[DONE]`` and blank ones left out. What a payload holds (JSON, as vLLM sends it) is the
+    caller's to parse."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
         payloads = []
-        for event in events:
+        for event in self._complete(chunk):
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
                     payload = line[5:].strip()
@@ -67,22 +77,16 @@ class SseData:
         return payloads
 
 
-class SseEvents:
-    """Server-sent events arriving in arbitrary chunks, each complete one with its data: its
-    JSON object, ``"done"`` for ``[DONE]``, or ``None`` (no data, or not a JSON object); blank
-    events left out. For a relay that passes events on (:class:`SseData` gives payloads
-    only)."""
+class SseEvents(_SseChunks):
+    """Server-sent events, each complete one with its data: its JSON object, ``"done"`` for
+    ``[DONE]``, or ``None`` (no data, or not a JSON object); blank events left out. For a
+    relay that passes events on (:class:`SseData` gives payloads only)."""
 
-    __slots__ = ("_tail",)
-
-    def __init__(self) -> None:
-        self._tail = b""
+    __slots__ = ()
 
     def feed(self, chunk: bytes) -> list[tuple[bytes, Any]]:
-        events = (self._tail + chunk).split(b"\n\n")
-        self._tail = events.pop()
         found: list[tuple[bytes, Any]] = []
-        for event in events:
+        for event in self._complete(chunk):
             data = b"".join(
                 line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")
             )

@@ -212,11 +212,11 @@ class Settlement:
             findable = self.findable(after, taken, held)
             fresh = taken.fresh and not after.marked and (held is not None or findable is not None)
             await self.record(taken, held, fresh=fresh, findable=findable)
-        # After the record: the conversation's next turn may be waiting for it (it recomputes
-        # the history if the wait runs out), and nothing here changes what it records.
-        await self.free_left_over(after)
-        if after.prefilled.uncounted is not None:
-            await self.count_after(after.prefilled, after.decode_url)
+            # After the record: the conversation's next turn may be waiting for it (it
+            # recomputes the history if the wait runs out), and nothing here changes it.
+            await self.free_left_over(after)
+            if after.prefilled.uncounted is not None:
+                await self.count_after(after.prefilled, after.decode_url)
 
     async def free_left_over(self, after: After) -> None:
         """Free what a turn left on decode that nobody will read: an aborted turn's KV, and
